@@ -1,0 +1,60 @@
+"""paged_jax: JAX-native PagedAttention."""
+
+from paged_jax.allocator import (
+    NULL_BLOCK,
+    BlockAllocator,
+    BlockState,
+    CacheConfig,
+    Code,
+    OutOfBlocksError,
+    RequestState,
+    Status,
+    admit,
+    allocate_blocks,
+    append,
+    assert_invariants,
+    blocks_of,
+    check_invariants,
+    copy_on_write,
+    fork,
+    free_blocks,
+    free_list_order,
+    init_state,
+    release,
+    share_blocks,
+    share_prefix,
+    slot_mapping,
+)
+from paged_jax.kernels import paged_attention, paged_attention_xla
+from paged_jax.viz import render_layout
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NULL_BLOCK",
+    "BlockAllocator",
+    "BlockState",
+    "CacheConfig",
+    "Code",
+    "OutOfBlocksError",
+    "RequestState",
+    "Status",
+    "admit",
+    "allocate_blocks",
+    "append",
+    "assert_invariants",
+    "blocks_of",
+    "check_invariants",
+    "copy_on_write",
+    "fork",
+    "free_blocks",
+    "free_list_order",
+    "init_state",
+    "paged_attention",
+    "paged_attention_xla",
+    "release",
+    "render_layout",
+    "share_blocks",
+    "share_prefix",
+    "slot_mapping",
+]

@@ -1,0 +1,51 @@
+"""The functional block allocator: ``BlockState`` and pure, batched, jittable ops."""
+
+from paged_jax.allocator.facade import BlockAllocator, RequestState
+from paged_jax.allocator.invariants import assert_invariants, check_invariants
+from paged_jax.allocator.ops import (
+    admit,
+    allocate_blocks,
+    append,
+    copy_on_write,
+    fork,
+    free_blocks,
+    release,
+    share_blocks,
+    share_prefix,
+    slot_mapping,
+)
+from paged_jax.allocator.state import (
+    NULL_BLOCK,
+    BlockState,
+    CacheConfig,
+    blocks_of,
+    free_list_order,
+    init_state,
+)
+from paged_jax.allocator.status import Code, OutOfBlocksError, Status
+
+__all__ = [
+    "NULL_BLOCK",
+    "BlockAllocator",
+    "BlockState",
+    "CacheConfig",
+    "Code",
+    "OutOfBlocksError",
+    "RequestState",
+    "Status",
+    "admit",
+    "allocate_blocks",
+    "append",
+    "assert_invariants",
+    "blocks_of",
+    "check_invariants",
+    "copy_on_write",
+    "fork",
+    "free_blocks",
+    "free_list_order",
+    "init_state",
+    "release",
+    "share_blocks",
+    "share_prefix",
+    "slot_mapping",
+]

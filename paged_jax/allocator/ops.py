@@ -1,0 +1,449 @@
+"""Pure, batched, jittable allocator ops: ``state -> (new_state, ..., status)``.
+
+Conventions shared by every op:
+
+* ``seq_ids`` is a [batch] int array (a scalar is a batch of one). ``-1`` entries are padding:
+  ignored, so a fixed batch width serves any number of real requests with one compilation.
+* Nothing loops over sequences or blocks and nothing syncs with the host. Allocation for a
+  whole batch is one prefix sum over the per-entry demand followed by one gather from the free
+  ring; every update is an O(batch) scatter that XLA performs in place.
+* All-or-nothing (see ``status.py``): on any failure the state comes back unchanged, because
+  every scatter is redirected to an out-of-range index and dropped.
+* Within a batch, blocks are handed out in batch order, then in logical order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.allocator.state import NULL_BLOCK, BlockState
+from paged_jax.allocator.status import Code, Status, finalize, first_error
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _as_index_array(x, name: str) -> jax.Array:
+    """Validate dtype and rank before tracing; scalars become a batch of one."""
+    arr = jnp.asarray(x)
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array. Got dtype {arr.dtype}.")
+    if arr.ndim == 0:
+        arr = arr[None]
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a [batch] vector. Got shape {arr.shape}.")
+    return arr.astype(jnp.int32)
+
+
+def _broadcast_like(x, ids: jax.Array, name: str) -> jax.Array:
+    arr = jnp.asarray(x)
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integers. Got dtype {arr.dtype}.")
+    if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != ids.shape[0]):
+        raise ValueError(
+            f"{name} must be a scalar or match seq_ids' shape {ids.shape}. Got shape {arr.shape}."
+        )
+    return jnp.broadcast_to(arr.astype(jnp.int32), ids.shape)
+
+
+def _prepare(state: BlockState, seq_ids, name: str = "seq_ids", unique: bool = True):
+    """Returns ``(ids, safe, valid, code)``: ``safe`` is a gatherable index, ``valid`` marks
+    real (non-padding, in-range, non-duplicate) entries, ``code`` their first error."""
+    ids = _as_index_array(seq_ids, name)
+    max_seqs = state.config.max_seqs
+    pad = ids == -1
+    in_range = (ids >= 0) & (ids < max_seqs)
+    code = jnp.where(pad | in_range, Code.OK, Code.BAD_SEQ_ID).astype(jnp.int32)
+    safe = jnp.where(in_range, ids, 0)
+    if unique:
+        counts = jnp.zeros((max_seqs,), jnp.int32).at[jnp.where(in_range, ids, max_seqs)].add(
+            1, mode="drop"
+        )
+        code = first_error(code, in_range & (counts[safe] > 1), Code.DUPLICATE_SEQ)
+    return ids, safe, in_range & (code == Code.OK), code
+
+
+def _status(code, ids, requested, state: BlockState, op: str) -> Status:
+    return Status(code=code, ids=ids, requested=requested, num_free=state.num_free, op=op)
+
+
+def prefix_sum(x: jax.Array, bound: int) -> jax.Array:
+    """Inclusive cumulative sum of a [batch] int vector whose entries lie in ``[0, bound]``.
+
+    XLA:CPU runs ``cumsum`` as a slow serial loop (about 10 ns an element); a two-level
+    triangular matmul in f32 is several times faster and exact while every partial sum stays
+    below 2**24, which ``bound`` lets us check statically. Falls back to ``cumsum`` otherwise.
+    """
+    length = x.shape[0]
+    width = max(8, int(np.ceil(np.sqrt(length))))
+    rows = -(-length // width)
+    if length < 64 or rows * width * bound >= 2**24:
+        return jnp.cumsum(x, dtype=jnp.int32)
+    tri = jnp.triu(jnp.ones((width, width), jnp.float32))  # [width, width]
+    grid = jnp.pad(x, (0, rows * width - length)).astype(jnp.float32).reshape(rows, width)
+    within = jnp.matmul(grid, tri, precision=jax.lax.Precision.HIGHEST)  # [rows, width]
+    upper = jnp.triu(jnp.ones((rows, rows), jnp.float32), 1)  # [rows, rows]
+    before = jnp.matmul(within[:, -1], upper, precision=jax.lax.Precision.HIGHEST)  # [rows]
+    return (within + before[:, None]).reshape(-1)[:length].astype(jnp.int32)
+
+
+def _check_pool(code, need, state: BlockState, bound: int):
+    """Mark entries whose demand, accumulated in batch order, exceeds the free pool.
+
+    Returns ``(code, need, cum)``: ``need`` zeroed for failed entries, ``cum`` its prefix sum.
+    """
+    need = jnp.where(code == Code.OK, need, 0)
+    cum = prefix_sum(need, bound)
+    code = first_error(code, (need > 0) & (cum > state.num_free), Code.OUT_OF_BLOCKS)
+    return code, need, cum
+
+
+def _take_blocks(state: BlockState, need, cum, apply, max_new: int):
+    """Hand out ``need[i]`` blocks to each entry from the head of the free ring.
+
+    ``cum`` is ``prefix_sum(need)`` from ``_check_pool``. Returns ``(state, blocks [batch,
+    max_new])``: blocks taken (NULL_BLOCK past ``need``), their ref counts set to 1 and their
+    ring slots cleared. Tables are not touched. Nothing is taken unless ``apply``.
+    """
+    n = state.config.num_blocks
+    need = jnp.where(apply, need, 0)
+    start = cum - need  # [batch], valid whenever apply
+    j = jnp.arange(max_new, dtype=jnp.int32)[None, :]  # [1, max_new]
+    take = j < need[:, None]  # [batch, max_new]
+    ring = (state.free_head + start[:, None] + j) % n  # [batch, max_new]
+    blocks = jnp.where(take, state.free_list[ring], NULL_BLOCK)
+    total = jnp.where(apply, cum[-1], 0) if cum.shape[0] else jnp.int32(0)
+    state = state.replace(
+        ref_counts=state.ref_counts.at[jnp.where(take, blocks, n)].set(1, mode="drop"),
+        free_list=state.free_list.at[jnp.where(take, ring, n)].set(NULL_BLOCK, mode="drop"),
+        free_head=(state.free_head + total) % n,
+        num_free=state.num_free - total,
+    )
+    return state, blocks
+
+
+def _write_tables(state: BlockState, rows, first_col, blocks) -> BlockState:
+    """``block_tables[rows[i], first_col[i] + j] = blocks[i, j]`` where the block is real."""
+    m = state.config.max_blocks_per_seq
+    cols = first_col[:, None] + jnp.arange(blocks.shape[1], dtype=jnp.int32)[None, :]
+    cols = jnp.where(blocks != NULL_BLOCK, cols, m)
+    return state.replace(
+        block_tables=state.block_tables.at[rows[:, None], cols].set(blocks, mode="drop")
+    )
+
+
+def _decref(state: BlockState, blocks, mask, held_too: bool = False) -> BlockState:
+    """Drop one reference per masked entry of ``blocks`` (any shape; duplicates add up).
+    Blocks reaching zero join the tail of the free ring in row-major order of ``blocks``, exactly
+    as if the references were dropped one by one."""
+    n = state.config.num_blocks
+    flat = blocks.reshape(-1)
+    live = mask.reshape(-1) & (flat != NULL_BLOCK)
+    target = jnp.where(live, flat, n)
+    ref = state.ref_counts.at[target].add(-1, mode="drop")
+    held = state.held.at[target].add(-1, mode="drop") if held_too else state.held
+    # As if the references were dropped one at a time in order: a block mentioned several
+    # times is appended once, at its last mention, when its count actually reaches zero.
+    order = jnp.arange(flat.shape[0], dtype=jnp.int32)
+    last = jnp.full((n,), -1, jnp.int32).at[target].max(order, mode="drop")
+    safe = jnp.where(live, flat, 0)
+    freed = live & (last[safe] == order) & (ref[safe] == 0)
+    tail = state.free_head + state.num_free
+    pos = (tail + prefix_sum(freed.astype(jnp.int32), 1) - 1) % n
+    return state.replace(
+        ref_counts=ref,
+        held=held,
+        free_list=state.free_list.at[jnp.where(freed, pos, n)].set(flat, mode="drop"),
+        num_free=state.num_free + jnp.sum(freed, dtype=jnp.int32),
+    )
+
+
+def _set_rows(state: BlockState, ids, apply, valid, seq_lens, active, tables=None):
+    rows = jnp.where(apply & valid, ids, state.config.max_seqs)
+    new = state.replace(
+        seq_lens=state.seq_lens.at[rows].set(seq_lens, mode="drop"),
+        active=state.active.at[rows].set(active, mode="drop"),
+    )
+    if tables is not None:
+        new = new.replace(block_tables=new.block_tables.at[rows].set(tables, mode="drop"))
+    return new
+
+
+# --------------------------------------------------------------------------------------------
+# Sequence ops
+
+
+def admit(state: BlockState, seq_ids, num_tokens) -> tuple[BlockState, Status]:
+    """Admit new sequences with ``ceil(num_tokens / block_size)`` blocks each.
+
+    Args:
+      state: the pool.
+      seq_ids: [batch] int, inactive slots to fill (-1 = padding).
+      num_tokens: [batch] or scalar int, prompt lengths (0 allowed: no blocks yet).
+
+    Returns:
+      ``(state, status)``.
+    """
+    cfg = state.config
+    ids, safe, valid, code = _prepare(state, seq_ids)
+    n = _broadcast_like(num_tokens, ids, "num_tokens")
+    code = first_error(code, valid & state.active[safe], Code.SEQ_ACTIVE)
+    code = first_error(code, valid & ((n < 0) | (n > cfg.max_tokens_per_seq)), Code.BAD_LENGTH)
+    need = jnp.where(valid, _cdiv(n, cfg.block_size), 0)
+    code, need, cum = _check_pool(code, need, state, cfg.max_blocks_per_seq)
+    code, apply = finalize(code)
+    new, blocks = _take_blocks(state, need, cum, apply, cfg.max_blocks_per_seq)
+    new = _write_tables(new, jnp.where(valid, ids, cfg.max_seqs), jnp.zeros_like(ids), blocks)
+    new = _set_rows(new, ids, apply, valid, n, True)
+    return new, _status(code, ids, jnp.sum(need), state, "admit")
+
+
+def append(state: BlockState, seq_ids_or_mask, num_tokens=1) -> tuple[BlockState, Status]:
+    """Grow sequences by ``num_tokens``; each one crossing a block boundary gets new blocks.
+
+    One call serves a whole decode step.
+
+    Args:
+      seq_ids_or_mask: [batch] int ids (-1 = padding), or a [max_seqs] bool mask.
+      num_tokens: scalar or [batch] int. A Python int bounds the new blocks per entry at
+        ``ceil(num_tokens / block_size)`` statically, so a decode step (1 token) does O(batch)
+        work rather than O(batch * max_blocks_per_seq).
+    """
+    cfg = state.config
+    sel = jnp.asarray(seq_ids_or_mask)
+    dense = sel.dtype == jnp.bool_
+    if dense:
+        # Mask form: entry i is slot i, so lengths and flags are read and written densely,
+        # with no gathers, scatters or duplicate check (the cheapest decode-step path).
+        if sel.shape != (cfg.max_seqs,):
+            raise ValueError(f"A mask must have shape ({cfg.max_seqs},). Got {sel.shape}.")
+        slots = jnp.arange(cfg.max_seqs, dtype=jnp.int32)
+        ids = jnp.where(sel, slots, -1)
+        valid, code = sel, jnp.zeros(sel.shape, jnp.int32)
+        old_len, active = state.seq_lens, state.active
+    else:
+        ids, safe, valid, code = _prepare(state, seq_ids_or_mask)
+        old_len, active = state.seq_lens[safe], state.active[safe]
+    n = _broadcast_like(num_tokens, ids, "num_tokens")
+    if isinstance(num_tokens, (int, np.integer)) and num_tokens >= 0:
+        max_new = min(cfg.max_blocks_per_seq, _cdiv(int(num_tokens), cfg.block_size))
+    else:
+        max_new = cfg.max_blocks_per_seq
+    new_len = old_len + n
+    code = first_error(code, valid & ~active, Code.SEQ_INACTIVE)
+    code = first_error(
+        code, valid & ((n < 0) | (new_len > cfg.max_tokens_per_seq)), Code.BAD_LENGTH
+    )
+    have = _cdiv(old_len, cfg.block_size)
+    need = jnp.where(valid, _cdiv(new_len, cfg.block_size) - have, 0)
+    code, need, cum = _check_pool(code, need, state, max_new)
+    code, apply = finalize(code)
+    new, blocks = _take_blocks(state, need, cum, apply, max_new)
+    rows = jnp.where(valid, ids, cfg.max_seqs)
+    new = _write_tables(new, rows, have, blocks)
+    if dense:
+        seq_lens = jnp.where(apply & valid, new_len, state.seq_lens)
+    else:
+        seq_lens = new.seq_lens.at[jnp.where(apply, rows, cfg.max_seqs)].set(new_len, mode="drop")
+    new = new.replace(seq_lens=seq_lens)
+    return new, _status(code, ids, cum[-1] if cum.shape[0] else jnp.int32(0), state, "append")
+
+
+def release(state: BlockState, seq_ids) -> tuple[BlockState, Status]:
+    """Finish sequences: each block's ref count drops by one; blocks reaching zero join the
+    tail of the free list (batch order, then logical order: the same as releasing one sequence
+    at a time) and the slots become inactive."""
+    ids, safe, valid, code = _prepare(state, seq_ids)
+    code = first_error(code, valid & ~state.active[safe], Code.SEQ_INACTIVE)
+    code, apply = finalize(code)
+    rows = state.block_tables[safe]  # [batch, max_blocks_per_seq]
+    new = _decref(state, rows, jnp.broadcast_to((valid & apply)[:, None], rows.shape))
+    new = _set_rows(new, ids, apply, valid, 0, False, NULL_BLOCK)
+    return new, _status(code, ids, jnp.int32(0), state, "release")
+
+
+def _share(state: BlockState, src_ids, dst_ids, num_blocks, op: str):
+    cfg = state.config
+    src, src_safe, src_valid, code_s = _prepare(state, src_ids, "parent/src ids", unique=False)
+    dst, dst_safe, dst_valid, code = _prepare(state, dst_ids, "child/dst ids")
+    if src.shape != dst.shape:
+        raise ValueError(f"{op}: source ids {src.shape} and destination ids {dst.shape} differ.")
+    code = jnp.where(code == Code.OK, code_s, code)
+    # Padding must be padding on both sides.
+    code = first_error(code, (src == -1) != (dst == -1), Code.BAD_SEQ_ID)
+    valid = src_valid & dst_valid & (code == Code.OK)
+    code = first_error(code, valid & ~state.active[src_safe], Code.SEQ_INACTIVE)
+    code = first_error(code, valid & state.active[dst_safe], Code.SEQ_ACTIVE)
+    src_len = state.seq_lens[src_safe]
+    src_blocks = _cdiv(src_len, cfg.block_size)
+    k = src_blocks if num_blocks is None else _broadcast_like(num_blocks, src, "num_blocks")
+    code = first_error(code, valid & ((k < 0) | (k > src_blocks)), Code.BAD_LENGTH)
+    code, apply = finalize(code)
+    cols = jnp.arange(cfg.max_blocks_per_seq, dtype=jnp.int32)[None, :]
+    shared = jnp.where(cols < k[:, None], state.block_tables[src_safe], NULL_BLOCK)
+    inc = (valid & apply)[:, None] & (shared != NULL_BLOCK)
+    new = state.replace(
+        ref_counts=state.ref_counts.at[jnp.where(inc, shared, cfg.num_blocks)].add(
+            1, mode="drop"
+        )
+    )
+    new_len = jnp.minimum(k * cfg.block_size, src_len)
+    new = _set_rows(new, dst, apply, valid, new_len, True, shared)
+    return new, _status(code, dst, jnp.int32(0), state, op)
+
+
+def fork(state: BlockState, parent_ids, child_ids) -> tuple[BlockState, Status]:
+    """Children share all of their parents' blocks (beam search, parallel sampling).
+
+    Args:
+      parent_ids: [batch] active slots (repeats allowed: several children per parent).
+      child_ids: [batch] inactive slots, unique.
+    """
+    return _share(state, parent_ids, child_ids, None, "fork")
+
+
+def share_prefix(state: BlockState, src_id, dst_id, num_blocks) -> tuple[BlockState, Status]:
+    """``dst`` starts as a new sequence whose first ``num_blocks`` blocks are ``src``'s.
+
+    The seed's shared system prompt: each shared block's ref count goes up by one per sharer.
+    ``dst``'s length becomes ``min(num_blocks * block_size, len(src))``; its own tokens come
+    from a following ``append``. Batched: all three arguments may be [batch] arrays.
+    """
+    return _share(state, src_id, dst_id, num_blocks, "share_prefix")
+
+
+def copy_on_write(state: BlockState, seq_ids, positions):
+    """Make the block holding ``positions`` private to each writer before it writes.
+
+    For every entry whose block has ref count > 1, a fresh block replaces it in the writer's
+    table and the old block loses one reference. When every holder of a block writes in the
+    same batch, the last of them (in batch order) keeps the original and no copy is made.
+
+    Args:
+      seq_ids: [batch] int, active slots (-1 = padding).
+      positions: [batch] int, token positions about to be written.
+
+    Returns:
+      ``(state, (src, dst), status)``: ``src``/``dst`` are [batch] block ids the KV cache must
+      copy (``dst <- src``), NULL_BLOCK where no copy is needed.
+    """
+    cfg = state.config
+    ids, safe, valid, code = _prepare(state, seq_ids)
+    pos = _broadcast_like(positions, ids, "positions")
+    code = first_error(code, valid & ~state.active[safe], Code.SEQ_INACTIVE)
+    have = _cdiv(state.seq_lens[safe], cfg.block_size)
+    col = pos // cfg.block_size
+    code = first_error(code, valid & ((pos < 0) | (col >= have)), Code.BAD_POSITION)
+    live = valid & (code == Code.OK)
+    col = jnp.where(live, col, 0)
+    old = jnp.where(live, state.block_tables[safe, col], NULL_BLOCK)
+    # Rank of each writer among the writers of the same block, in batch order.
+    key = jnp.where(live, old, cfg.num_blocks)
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    idx = jnp.arange(key.shape[0], dtype=jnp.int32)
+    seg_start = jax.lax.cummax(jnp.where(jnp.diff(sorted_key, prepend=-1) != 0, idx, 0))
+    rank = jnp.zeros_like(idx).at[order].set(idx - seg_start)
+    refs = state.ref_counts[jnp.where(live, old, 0)]
+    copy = live & (rank != refs - 1)
+    code, need, cum = _check_pool(code, copy.astype(jnp.int32), state, 1)
+    code, apply = finalize(code)
+    new, blocks = _take_blocks(state, need, cum, apply, 1)
+    new = _write_tables(new, jnp.where(live, ids, cfg.max_seqs), col, blocks)
+    copy = copy & apply
+    new = new.replace(
+        ref_counts=new.ref_counts.at[jnp.where(copy, old, cfg.num_blocks)].add(-1, mode="drop")
+    )
+    src = jnp.where(copy, old, NULL_BLOCK)
+    dst = jnp.where(copy, blocks[:, 0], NULL_BLOCK)
+    return new, (src, dst), _status(code, ids, jnp.sum(need), state, "copy_on_write")
+
+
+def slot_mapping(state: BlockState, seq_ids, positions) -> jax.Array:
+    """Physical slots ``block_tables[s, p // bs] * bs + p % bs`` for token positions.
+
+    Args:
+      seq_ids: [batch] int (-1 = padding).
+      positions: [batch] or [batch, tokens] int.
+
+    Returns:
+      Slots shaped like ``positions``, int32; ``-1`` for padding, inactive sequences and
+      positions outside ``[0, seq_len)``. Writers must drop ``-1`` slots, never index with them.
+    """
+    cfg = state.config
+    ids = _as_index_array(seq_ids, "seq_ids")
+    pos = jnp.asarray(positions)
+    if not jnp.issubdtype(pos.dtype, jnp.integer) or pos.ndim not in (1, 2):
+        raise ValueError(
+            f"positions must be a [batch] or [batch, tokens] int array. Got {pos.dtype}{pos.shape}."
+        )
+    if pos.shape[0] != ids.shape[0]:
+        raise ValueError(f"positions {pos.shape} and seq_ids {ids.shape} disagree on batch.")
+    pos = pos.astype(jnp.int32)
+    in_range = (ids >= 0) & (ids < cfg.max_seqs)
+    safe = jnp.where(in_range, ids, 0)
+    ok = in_range & state.active[safe]
+    lens = state.seq_lens[safe]
+    if pos.ndim == 2:
+        ok, lens, safe = ok[:, None], lens[:, None], safe[:, None]
+    ok = ok & (pos >= 0) & (pos < lens)
+    col = jnp.where(ok, pos // cfg.block_size, 0)
+    block = state.block_tables[safe, col]
+    return jnp.where(ok, block * cfg.block_size + pos % cfg.block_size, -1)
+
+
+# --------------------------------------------------------------------------------------------
+# Loose blocks: references held outside any table (the seed's allocate/share/free; a prefix
+# cache holding blocks alive).
+
+
+def allocate_blocks(state: BlockState, num_blocks: int) -> tuple[BlockState, jax.Array, Status]:
+    """Take ``num_blocks`` (static) blocks from the head of the free list, held outside any
+    table with ref count 1. Returns ``(state, blocks [num_blocks], status)``."""
+    if not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
+        raise ValueError(f"num_blocks must be a positive Python int. Got {num_blocks!r}.")
+    n = state.config.num_blocks
+    code = jnp.zeros((num_blocks,), jnp.int32)
+    code, need, cum = _check_pool(code, jnp.ones((num_blocks,), jnp.int32), state, 1)
+    code, apply = finalize(code)
+    new, blocks = _take_blocks(state, need, cum, apply, 1)
+    blocks = blocks[:, 0]
+    new = new.replace(held=new.held.at[jnp.where(apply, blocks, n)].add(1, mode="drop"))
+    ids = jnp.where(apply, blocks, NULL_BLOCK)
+    return new, ids, _status(code, ids, jnp.int32(num_blocks), state, "allocate")
+
+
+def _prepare_blocks(state: BlockState, block_ids):
+    ids = _as_index_array(block_ids, "block_ids")
+    n = state.config.num_blocks
+    in_range = (ids >= 0) & (ids < n)
+    code = jnp.where(in_range, Code.OK, Code.BAD_BLOCK).astype(jnp.int32)
+    return ids, jnp.where(in_range, ids, 0), in_range, code
+
+
+def share_blocks(state: BlockState, block_ids) -> tuple[BlockState, Status]:
+    """One more held reference on each listed block (which must be in use)."""
+    n = state.config.num_blocks
+    ids, safe, in_range, code = _prepare_blocks(state, block_ids)
+    code = first_error(code, state.ref_counts[safe] == 0, Code.BAD_BLOCK)
+    code, apply = finalize(code)
+    target = jnp.where(apply & in_range, ids, n)
+    new = state.replace(
+        ref_counts=state.ref_counts.at[target].add(1, mode="drop"),
+        held=state.held.at[target].add(1, mode="drop"),
+    )
+    return new, _status(code, ids, jnp.int32(0), state, "share")
+
+
+def free_blocks(state: BlockState, block_ids) -> tuple[BlockState, Status]:
+    """Drop one held reference per listed block; blocks reaching zero join the free list."""
+    n = state.config.num_blocks
+    ids, safe, in_range, code = _prepare_blocks(state, block_ids)
+    drops = jnp.zeros((n,), jnp.int32).at[jnp.where(in_range, ids, n)].add(1, mode="drop")
+    code = first_error(code, drops[safe] > state.held[safe], Code.BAD_BLOCK)
+    code, apply = finalize(code)
+    new = _decref(state, ids, in_range & apply, held_too=True)
+    return new, _status(code, ids, jnp.int32(0), state, "free")

@@ -1,0 +1,117 @@
+"""The allocator's state: one immutable pytree of fixed-shape arrays, plus static config.
+
+Layout of the free list
+-----------------------
+The free list is a ring buffer ``free_list[num_blocks]``. The free blocks are, in hand-out
+order, ``free_list[(free_head + i) % num_blocks]`` for ``i < num_free``; every other entry is
+``NULL_BLOCK``. Allocation takes from the head and released blocks join the tail, so:
+
+* a fresh pool hands out ``0, 1, 2, ...`` (lowest-numbered first, as in the seed's pictures);
+* a freed block is reused only after every block that was already free (first in, first out,
+  like vLLM's free-block queue). Recently freed blocks, and whatever KV they still hold,
+  stay untouched for as long as possible.
+
+Both ends move by O(batch) work per op: nothing shifts the whole list.
+
+The sentinel
+------------
+``NULL_BLOCK = -1`` pads block tables and the free list. It is never a block id: every op masks
+it before any gather or scatter (scatters send it to an out-of-range index with
+``mode="drop"``), and ``slot_mapping`` turns it into a ``-1`` slot rather than an address.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+NULL_BLOCK = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Static shape of the paged KV cache. Frozen and hashable: never traced.
+
+    Attributes:
+      num_blocks: physical blocks in the pool.
+      block_size: tokens per block.
+      max_seqs: sequence slots (rows of the block tables).
+      max_blocks_per_seq: columns of the block tables; a sequence holds at most
+        ``max_blocks_per_seq * block_size`` tokens.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    max_seqs: int = 64
+    max_blocks_per_seq: int = 64
+
+    def __post_init__(self):
+        for name in ("num_blocks", "block_size", "max_seqs", "max_blocks_per_seq"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CacheConfig.{name} must be a positive int. Got {value!r}.")
+        if self.num_blocks >= 2**31 // max(self.block_size, 1):
+            raise ValueError(
+                f"num_blocks * block_size must fit in int32 slots. Got {self.num_blocks} * "
+                f"{self.block_size}."
+            )
+
+    @property
+    def max_tokens_per_seq(self) -> int:
+        return self.max_blocks_per_seq * self.block_size
+
+
+@struct.dataclass
+class BlockState:
+    """Who owns which physical block. Every field has a fixed shape, so one compiled step
+    serves any mix of sequences.
+
+    Invariants (see ``check_invariants``): a block is free (ref 0, exactly once in the free
+    list) or in use; ``ref_counts == table references + held``; an active sequence of length
+    ``L`` has exactly ``ceil(L / block_size)`` leading non-null table entries.
+    """
+
+    ref_counts: jax.Array  # [num_blocks] int32
+    held: jax.Array  # [num_blocks] int32, references held outside any table (facade, cache)
+    block_tables: jax.Array  # [max_seqs, max_blocks_per_seq] int32, NULL_BLOCK-padded
+    seq_lens: jax.Array  # [max_seqs] int32, tokens per sequence
+    active: jax.Array  # [max_seqs] bool
+    free_list: jax.Array  # [num_blocks] int32 ring buffer, NULL_BLOCK outside the window
+    free_head: jax.Array  # [] int32, ring index of the next block to hand out
+    num_free: jax.Array  # [] int32
+    config: CacheConfig = struct.field(pytree_node=False)
+
+
+def init_state(config: CacheConfig) -> BlockState:
+    """An empty pool: every block free, in ascending order; no sequence active."""
+    if not isinstance(config, CacheConfig):
+        raise TypeError(f"init_state expects a CacheConfig. Got {type(config).__name__}.")
+    n, s, m = config.num_blocks, config.max_seqs, config.max_blocks_per_seq
+    return BlockState(
+        ref_counts=jnp.zeros((n,), jnp.int32),
+        held=jnp.zeros((n,), jnp.int32),
+        block_tables=jnp.full((s, m), NULL_BLOCK, jnp.int32),
+        seq_lens=jnp.zeros((s,), jnp.int32),
+        active=jnp.zeros((s,), bool),
+        free_list=jnp.arange(n, dtype=jnp.int32),
+        free_head=jnp.zeros((), jnp.int32),
+        num_free=jnp.asarray(n, jnp.int32),
+        config=config,
+    )
+
+
+def free_list_order(state: BlockState) -> list[int]:
+    """The free blocks in hand-out order (host copy; eager use only)."""
+    ring = np.asarray(state.free_list)
+    head, count = int(state.free_head), int(state.num_free)
+    return [int(ring[(head + i) % ring.shape[0]]) for i in range(count)]
+
+
+def blocks_of(state: BlockState, seq_id: int) -> list[int]:
+    """The non-null entries of one sequence's block table (host copy; eager use only)."""
+    row = np.asarray(state.block_tables[seq_id])
+    return [int(b) for b in row if b != NULL_BLOCK]

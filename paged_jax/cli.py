@@ -1,0 +1,47 @@
+"""The ``paged-jax`` command line: ``demo`` and ``bench``.
+
+Each subcommand imports its implementation lazily so that ``paged-jax --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from paged_jax.walkthrough import run_walkthrough
+
+    run_walkthrough(out=sys.stdout)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.what == "allocator":
+        from paged_jax.allocator.bench import main as bench_main
+    else:  # argparse restricts the choices
+        from paged_jax.kernels.bench import main as bench_main
+    return bench_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paged-jax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="replay the seed walkthrough: requests A, B, C, a prefix")
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks that print ratios against a same-run baseline")
+    bench.add_argument("what", choices=["allocator", "kernel"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the chosen benchmark")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

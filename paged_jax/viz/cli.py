@@ -1,0 +1,117 @@
+"""``paged-jax viz``: record a scenario (or load a saved log) and write every view.
+
+    paged-jax viz --scenario seed --out out/seed
+    paged-jax viz --log out/seed/run.json --out out/again
+
+Writes into ``--out``: ``run.json`` (the event log), ``layout.txt`` (the terminal view of every
+step), ``steps/step_NNN.png`` and ``layout.gif`` (per-step pictures), ``timeline.png``,
+``curves.png``, ``layout.html`` (offline, interactive) and ``trace.json`` (Perfetto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+SCENARIO_CHOICES = ("seed", "prefix-sharing", "fork-cow", "random", "engine")
+ENGINE_MISSING = (
+    "paged-jax viz: --scenario engine records a run of the serving engine, and paged_jax has "
+    "no engine yet. Use --scenario seed|prefix-sharing|fork-cow|random, or --log FILE."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paged-jax viz", description="Record a run and draw its block layout, every view."
+    )
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--scenario", choices=SCENARIO_CHOICES, help="record this scenario")
+    src.add_argument("--log", metavar="FILE", help="redraw a saved event log (run.json)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    parser.add_argument("--steps", type=int, default=40, help="random: number of steps")
+    parser.add_argument("--seed", type=int, default=0, help="random: RNG seed")
+    parser.add_argument("--no-gif", action="store_true",
+                        help="skip the per-step PNGs and the GIF (the slow part)")
+    parser.add_argument("--play", action="store_true",
+                        help="also step through the run in the terminal (rich live view)")
+    parser.add_argument("--delay", type=float, default=0.8, help="--play: seconds per step")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar, no listing")
+    return parser
+
+
+def record(scenario: str, steps: int = 40, seed: int = 0):
+    from paged_jax.viz import scenarios
+
+    if scenario == "engine":
+        raise EngineUnavailable(ENGINE_MISSING)
+    if scenario == "random":
+        return scenarios.random_run(steps=steps, seed=seed)
+    return scenarios.SCENARIOS[scenario]()
+
+
+class EngineUnavailable(RuntimeError):
+    pass
+
+
+def write_views(log, out: str, *, gif: bool = True, progress: bool = True) -> list[str]:
+    """Write every view of ``log`` into ``out``; returns the paths written."""
+    from paged_jax.viz import curves, html, perfetto, terminal, timeline
+
+    os.makedirs(out, exist_ok=True)
+    paths = []
+
+    def path(name):
+        paths.append(os.path.join(out, name))
+        return paths[-1]
+
+    log.save(path("run.json"))
+    with open(path("layout.txt"), "w") as f:
+        f.write(terminal.render_run(log))
+    html.save_html(log, path("layout.html"))
+    perfetto.save_trace(log, path("trace.json"))
+    timeline.save_timeline(log, path("timeline.png"))
+    curves.save_curves(log, path("curves.png"))
+    if gif:
+        frames = os.path.join(out, "steps")
+        os.makedirs(frames, exist_ok=True)
+        timeline.save_gif(log, path("layout.gif"), frames_dir=frames, progress=progress)
+        paths.append(frames + os.sep)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.log is not None:
+        from paged_jax.viz.log import RunLog
+
+        try:
+            log = RunLog.load(args.log)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            print(f"paged-jax viz: cannot read {args.log}: {err}", file=sys.stderr)
+            return 1
+    else:
+        try:
+            log = record(args.scenario, args.steps, args.seed)
+        except EngineUnavailable as err:
+            print(err, file=sys.stderr)
+            return 2
+    try:
+        paths = write_views(log, args.out, gif=not args.no_gif, progress=not args.quiet)
+    except ImportError as err:
+        print(f"paged-jax viz: {err}. The pictures need the images extra: "
+              "pip install 'paged-jax[images]'", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(f"{log.num_steps} steps of '{log.scenario or args.log}' ->")
+        for p in paths:
+            print("  " + p)
+    if args.play:
+        from paged_jax.viz.terminal import play
+
+        play(log, delay=args.delay)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""``RecordingPool``: the pure allocator ops on named requests, recorded step by step.
+
+A thin wrapper for driving scenarios: it keeps the ``BlockState``, maps request names to
+sequence slots, runs each op jitted with batches padded to ``max_seqs`` (one compilation per
+op, whatever the batch), raises if an op fails, and ``capture``\\ s a step when asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from paged_jax.allocator import ops
+from paged_jax.allocator.state import CacheConfig, blocks_of, init_state
+from paged_jax.viz.recorder import Recorder
+
+_admit = jax.jit(ops.admit)
+_append = jax.jit(ops.append, static_argnames="num_tokens")
+_append_n = jax.jit(ops.append)
+_release = jax.jit(ops.release)
+_fork = jax.jit(ops.fork)
+_share_prefix = jax.jit(ops.share_prefix)
+_cow = jax.jit(ops.copy_on_write)
+_share_blocks = jax.jit(ops.share_blocks)
+_free_blocks = jax.jit(ops.free_blocks)
+
+
+class RecordingPool:
+    """A pool of ``config.num_blocks`` blocks whose requests are named, not numbered."""
+
+    def __init__(self, config: CacheConfig, *, scenario: str = "", title: str = "empty pool"):
+        self.config = config
+        self.state = init_state(config)
+        self.names: dict[int, str] = {}  # active slot -> name
+        self.recorder = Recorder(scenario)
+        self.capture(title)
+
+    # ---- bookkeeping
+    @property
+    def log(self):
+        return self.recorder.log
+
+    @property
+    def live(self) -> list[str]:
+        return [self.names[s] for s in sorted(self.names)]
+
+    def slot(self, name: str) -> int:
+        for s, n in self.names.items():
+            if n == name:
+                return s
+        raise KeyError(f"No live request named {name!r}; live: {self.live}.")
+
+    def table(self, name: str) -> list[int]:
+        return blocks_of(self.state, self.slot(name))
+
+    def length(self, name: str) -> int:
+        return int(self.state.seq_lens[self.slot(name)])
+
+    @property
+    def num_free(self) -> int:
+        return int(self.state.num_free)
+
+    def capture(self, title: str = "") -> int:
+        return self.recorder.capture(self.state, self.names, title=title)
+
+    def note(self, kind: str, **kwargs) -> None:
+        self.recorder.note(kind, **kwargs)
+
+    # ---- ops
+    def _pad(self, values: Sequence[int], fill: int = -1) -> np.ndarray:
+        width = self.config.max_seqs
+        if len(values) > width:
+            raise ValueError(f"A batch holds at most max_seqs={width} entries. Got {len(values)}.")
+        out = np.full((width,), fill, np.int32)
+        out[: len(values)] = values
+        return out
+
+    def _new_slots(self, names: Sequence[str]) -> list[int]:
+        clash = [n for n in names if n in self.names.values()]
+        if clash or len(set(names)) != len(names):
+            raise ValueError(f"Request names must be new and unique. Got {list(names)}.")
+        free = [s for s in range(self.config.max_seqs) if s not in self.names]
+        if len(free) < len(names):
+            raise ValueError(f"Only {len(free)} sequence slots are free; {len(names)} requested.")
+        return free[: len(names)]
+
+    def admit(self, names: Sequence[str], num_tokens: Sequence[int]) -> None:
+        slots = self._new_slots(names)
+        state, status = _admit(self.state, self._pad(slots), self._pad(num_tokens, 0))
+        status.raise_if_failed()
+        self.state = state
+        self.names.update(zip(slots, names, strict=True))
+
+    def append(self, names: Sequence[str], num_tokens: int | Sequence[int] = 1) -> None:
+        ids = self._pad([self.slot(n) for n in names])
+        if isinstance(num_tokens, int):
+            state, status = _append(self.state, ids, num_tokens=num_tokens)
+        else:
+            state, status = _append_n(self.state, ids, self._pad(num_tokens, 0))
+        status.raise_if_failed()
+        self.state = state
+
+    def release(self, names: Sequence[str]) -> None:
+        slots = [self.slot(n) for n in names]
+        state, status = _release(self.state, self._pad(slots))
+        status.raise_if_failed()
+        self.state = state
+        for s in slots:
+            del self.names[s]
+
+    def fork(self, parents: Sequence[str], children: Sequence[str]) -> None:
+        src = [self.slot(p) for p in parents]
+        dst = self._new_slots(children)
+        state, status = _fork(self.state, self._pad(src), self._pad(dst))
+        status.raise_if_failed()
+        self.state = state
+        self.names.update(zip(dst, children, strict=True))
+        for child in children:
+            self.recorder.note("fork", request=child)
+
+    def share_prefix(self, srcs: Sequence[str], dsts: Sequence[str], num_blocks: int) -> None:
+        src = [self.slot(p) for p in srcs]
+        dst = self._new_slots(dsts)
+        k = self._pad([num_blocks] * len(src), 0)
+        state, status = _share_prefix(self.state, self._pad(src), self._pad(dst), k)
+        status.raise_if_failed()
+        self.state = state
+        self.names.update(zip(dst, dsts, strict=True))
+
+    def copy_on_write(self, names: Sequence[str], positions: Sequence[int]):
+        """Returns ``[(name, src, dst)]`` for the entries that were copied."""
+        state, (src, dst), status = _cow(
+            self.state, self._pad([self.slot(n) for n in names]), self._pad(positions, 0)
+        )
+        status.raise_if_failed()
+        self.state = state
+        src, dst = np.asarray(src), np.asarray(dst)
+        return [(n, int(src[i]), int(dst[i])) for i, n in enumerate(names) if dst[i] >= 0]
+
+    def hold(self, blocks: Sequence[int]) -> None:
+        """One more reference held outside any table (a prefix cache keeping blocks alive)."""
+        state, status = _share_blocks(self.state, np.asarray(blocks, np.int32))
+        status.raise_if_failed()
+        self.state = state
+
+    def drop(self, blocks: Sequence[int]) -> None:
+        """Drop references taken by ``hold``."""
+        state, status = _free_blocks(self.state, np.asarray(blocks, np.int32))
+        status.raise_if_failed()
+        self.state = state

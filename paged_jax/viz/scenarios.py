@@ -1,0 +1,221 @@
+"""Recorded runs to look at: the seed's, prefix sharing, fork with copy-on-write, random.
+
+``seed`` drives the facade exactly as the seed write-up (and ``paged-jax demo``) does; the
+others drive the pure ops through ``RecordingPool``. Each returns a ``RunLog``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paged_jax.allocator.facade import BlockAllocator, RequestState
+from paged_jax.allocator.state import CacheConfig
+from paged_jax.viz.log import RunLog
+from paged_jax.viz.pool import RecordingPool
+from paged_jax.viz.recorder import Recorder
+
+# Pools shared between scenarios, so each op compiles once per pool.
+SMALL_POOL = CacheConfig(24, 4, max_seqs=8, max_blocks_per_seq=12)
+TINY_POOL = CacheConfig(12, 4, max_seqs=6, max_blocks_per_seq=6)
+
+# Steps of the seed scenario whose pictures the seed write-up prints.
+SEED_PICTURES = {"after initial allocation": 3, "after B finishes": 14, "shared prompt": 17,
+                 "after D and the prompt finish": 19}
+
+
+def seed() -> RunLog:
+    """The seed's run: A (40), B (24), C (50) arrive in a 20-block pool; A generates 10 tokens;
+    B finishes; D and E share a 32-token system prompt (every sharer counted); D and the
+    prompt finish. One step per line of the seed's code."""
+    rec = Recorder("seed")
+    allocator = BlockAllocator(num_blocks=20, block_size=16)
+    rec.capture_allocator(
+        allocator, title="allocator = BlockAllocator(num_blocks=20, block_size=16)"
+    )
+    reqs = {}
+    for rid, prompt_len in (("A", 40), ("B", 24), ("C", 50)):
+        reqs[rid] = RequestState(request_id=rid, prompt_len=prompt_len, allocator=allocator)
+        rec.capture_allocator(
+            allocator, title=f'req_{rid.lower()} = RequestState(request_id="{rid}", '
+            f"prompt_len={prompt_len}, allocator=allocator)"
+        )
+    for _ in range(10):
+        reqs["A"].append_token()
+        rec.capture_allocator(
+            allocator, title=f"req_a.append_token()  # A now has {reqs['A'].num_tokens} tokens"
+        )
+    reqs["B"].release()
+    rec.capture_allocator(allocator, title="req_b.release()")
+
+    sys_blocks = [allocator.allocate(), allocator.allocate()]
+    rec.capture_allocator(
+        allocator, title="sys_prompt_blocks = [allocator.allocate(), allocator.allocate()]"
+    )
+    tables: dict[str, list[int]] = {}
+    for name in ("D", "E"):
+        tables[name] = sys_blocks + [allocator.allocate()]
+        for b in sys_blocks:
+            allocator.share(b)
+        rec.capture_allocator(
+            allocator, tables=tables,
+            title=f"req_{name.lower()}_table = sys_prompt_blocks + [allocator.allocate()]; "
+            "share() each prompt block",
+        )
+    for b in tables.pop("D"):
+        allocator.free(b)
+    rec.capture_allocator(
+        allocator, tables=tables, title="D finishes: free(b) for b in req_d_table"
+    )
+    for b in sys_blocks:
+        allocator.free(b)
+    rec.capture_allocator(
+        allocator, tables=tables,
+        title="the prompt's own reference: free(b) for b in sys_prompt_blocks",
+    )
+    return rec.log
+
+
+def prefix_sharing() -> RunLog:
+    """A system prompt S (2 full blocks) shared by A, B, C; later requests miss once the
+    prompt is evicted."""
+    pool = RecordingPool(SMALL_POOL, scenario="prefix-sharing")
+    pool.admit(["S"], [8])
+    pool.capture("admit S: an 8-token system prompt (2 blocks)")
+    for name, own in (("A", 5), ("B", 3), ("C", 6)):
+        pool.share_prefix(["S"], [name], 2)
+        pool.append([name], own)
+        pool.note("prefix_hit", request=name)
+        pool.capture(f"{name} arrives: prefix hit on S's 2 blocks, +{own} own tokens")
+    for i in range(3):
+        pool.append(["A", "B", "C"])
+        pool.capture(f"decode step {i + 1}: A, B, C +1 token")
+    pool.release(["B"])
+    pool.capture("B finishes")
+    s_blocks = pool.table("S")
+    pool.note("evict", request="S", blocks=s_blocks, detail="prompt cache entry dropped")
+    pool.release(["S"])
+    pool.capture("S evicted from the prefix cache: A and C keep its blocks alive")
+    pool.admit(["D"], [10])
+    pool.capture("D arrives: prefix miss, 10 tokens in 3 fresh blocks")
+    pool.release(["A"])
+    pool.capture("A finishes")
+    pool.release(["C"])
+    pool.capture("C finishes: the prompt's blocks are free at last")
+    return pool.log
+
+
+def fork_cow() -> RunLog:
+    """Parallel sampling: P forks into P, Q, R sharing a half-full block; the first write
+    copies it for all but the last writer."""
+    pool = RecordingPool(TINY_POOL, scenario="fork-cow")
+    pool.admit(["P"], [6])
+    pool.capture("admit P: 6 tokens (block 1 half full)")
+    pool.fork(["P", "P"], ["Q", "R"])
+    pool.capture("fork P -> Q, R: all three share both blocks")
+    copies = pool.copy_on_write(["P", "Q", "R"], [6, 6, 6])
+    pool.note("cow_copy", blocks=[d for _, _, d in copies], src_blocks=[s for _, s, _ in copies])
+    pool.append(["P", "Q", "R"])
+    pool.capture("each writes token 6: P and Q copy the shared block, R keeps it")
+    for i in range(2):
+        pool.append(["P", "Q", "R"])
+        pool.capture(f"decode step {i + 2}: P, Q, R +1 token")
+    pool.release(["Q"])
+    pool.capture("Q finishes (lowest score)")
+    pool.fork(["R"], ["S"])
+    pool.capture("fork R -> S")
+    copies = pool.copy_on_write(["S"], [pool.length("S")])
+    pool.append(["R", "S"])
+    pool.capture("R and S decode: S writes into the shared last block, so copies it")
+    pool.release(["P", "R", "S"])
+    pool.capture("P, R, S finish")
+    return pool.log
+
+
+def random_run(steps: int = 40, seed: int = 0) -> RunLog:
+    """A seeded workload with every event kind: arrivals (some hitting a prefix cache),
+    decoding, forks with copy-on-write, finishes, preemption and cache eviction."""
+    rng = np.random.default_rng(seed)
+    cfg = SMALL_POOL
+    max_len = cfg.max_tokens_per_seq - cfg.block_size  # a request this long finishes
+    pool = RecordingPool(cfg, scenario="random")
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+    counter = 0
+    cache: list[int] = []  # first blocks of finished requests, held like a prefix cache
+
+    def fresh_name() -> str:  # unique over the run, so no name means two requests
+        nonlocal counter
+        counter += 1
+        i = counter - 1
+        return alphabet[i % len(alphabet)] + (str(i // len(alphabet)) if i >= len(alphabet) else "")
+
+    def make_room(need: int, protect: set[str], preempt: bool = True) -> None:
+        while pool.num_free < need and cache:
+            block = cache.pop(0)
+            pool.note("evict", blocks=[block], detail="prefix cache")
+            pool.drop([block])
+        while preempt and pool.num_free < need:
+            victims = [n for n in pool.live if n not in protect]
+            if not victims:
+                return
+            victim = victims[-1]
+            pool.note("preempt", request=victim)
+            pool.release([victim])
+
+    for step in range(1, steps):
+        done = []
+        live = pool.live
+        finishing = [n for n in live if pool.length(n) >= max_len]
+        if live and rng.random() < 0.25:
+            finishing.append(str(rng.choice(live)))
+        for finish in dict.fromkeys(finishing):
+            first = pool.table(finish)[:1]
+            if first and len(cache) < 3:
+                pool.hold(first)
+                cache.extend(first)
+            pool.release([finish])
+            done.append(f"{finish} finishes")
+        if len(pool.live) < cfg.max_seqs - 2 and rng.random() < 0.4:
+            name = fresh_name()
+            donors = [n for n in pool.live if pool.length(n) >= 2 * cfg.block_size]
+            if donors and rng.random() < 0.4:
+                donor = str(rng.choice(donors))
+                pool.share_prefix([donor], [name], 1)
+                pool.note("prefix_hit", request=name)
+                done.append(f"{name} arrives, prefix hit on {donor}")
+            else:
+                prompt = int(rng.integers(3, 14))
+                need = -(-prompt // cfg.block_size)
+                make_room(need + len(pool.live), set(), preempt=False)
+                if pool.num_free >= need + len(pool.live):  # room to decode afterwards
+                    pool.admit([name], [prompt])
+                    done.append(f"{name} arrives ({prompt} tokens)")
+        live = pool.live
+        if live and len(live) < cfg.max_seqs and rng.random() < 0.15:
+            parent = str(rng.choice(live))
+            child = fresh_name()
+            pool.fork([parent], [child])
+            done.append(f"fork {parent} -> {child}")
+        decoding = pool.live
+        if decoding:
+            make_room(len(decoding) + 1, set(decoding[:1]))
+            decoding = pool.live
+            positions = [pool.length(n) for n in decoding]
+            writes = [(n, p) for n, p in zip(decoding, positions, strict=True)
+                      if p % cfg.block_size]
+            if writes:
+                copies = pool.copy_on_write([n for n, _ in writes], [p for _, p in writes])
+                done += [f"{n} copies block {s} -> {d}" for n, s, d in copies]
+            make_room(len(decoding), set(decoding[:1]))
+            decoding = pool.live
+            pool.append(decoding)
+            done.append("decode " + "".join(decoding))
+        pool.capture(f"step {step}: " + "; ".join(done))
+    return pool.log
+
+
+SCENARIOS = {
+    "seed": seed,
+    "prefix-sharing": prefix_sharing,
+    "fork-cow": fork_cow,
+    "random": random_run,
+}

@@ -1,0 +1,131 @@
+"""The terminal view: the seed's picture with a legend, each request's table, the free list;
+and a ``rich`` live view that steps through a recorded run.
+
+    Step 14/19  req_b.release()
+    [A][A][A][ ][ ][C][C][C][C][A][ ][ ][ ][ ][ ][ ][ ][ ][ ][ ]
+     0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16 17 18 19
+                             ~  ~
+    A: [0, 1, 2, 9]  50 tokens
+    ...
+
+The first two lines are ``render_layout``'s, unchanged; the third marks each block whose ref
+count is above 1 with that count and each partly filled block with ``~``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from paged_jax.viz.ascii import FREE, HELD, SHARED, render_layout
+from paged_jax.viz.layout import block_views, owner_colors
+from paged_jax.viz.log import RunLog
+
+PARTIAL = "~"
+_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+
+LEGEND = (
+    f"Legend: [A] owner  [{SHARED}] shared  [{HELD}] held outside any table  [{FREE}] free  |  "
+    f"under the ruler: ref count if > 1, {PARTIAL} partly filled"
+)
+
+
+def char_labels(log: RunLog) -> dict[str, str]:
+    """Request name -> the one character drawn in its cells (its first, if still unused)."""
+    out: dict[str, str] = {}
+    taken: set[str] = set()
+    for name in log.request_names():
+        ch = name[:1]
+        if not ch or ch in taken or ch in (SHARED, HELD, FREE):
+            ch = next((c for c in _ALPHABET if c not in taken), "?")
+        out[name] = ch
+        taken.add(ch)
+    return out
+
+
+def _per_row(num_blocks: int) -> int | None:
+    return None if num_blocks <= 40 else 32
+
+
+def render_picture(log: RunLog, step: int, *, marks: bool = True) -> str:
+    """The seed's picture of ``step`` (``render_layout``), plus the marks line per row."""
+    snap = log.snapshots[step]
+    chars = char_labels(log)
+    labels = {slot: chars[name] for slot, name in snap.names.items()}
+    tables = {chars[name]: list(t) for name, t in snap.tables.items()}
+    per_row = _per_row(log.config.num_blocks)
+    text = render_layout(snap.to_state(), labels, tables=tables, per_row=per_row)
+    if not marks:
+        return text
+    n = log.config.num_blocks
+    inner = max(1, len(str(n - 1)) - 1)
+    row = per_row or n
+    lines = text.splitlines()
+    out = []
+    for r, start in enumerate(range(0, n, row)):
+        views = block_views(snap)[start : start + row]
+        cells = []
+        for v in views:
+            mark = (str(v.ref_count) if v.ref_count > 1 else "") + (PARTIAL if v.partial else "")
+            cells.append(f"{mark:>{inner + 1}} ")
+        out += lines[2 * r : 2 * r + 2] + ["".join(cells).rstrip()]
+    return "\n".join(out)
+
+
+def render_step(log: RunLog, step: int, *, legend: bool = True, events: bool = True) -> str:
+    """Picture, legend, tables (``A: [0, 1, 2, 9]``), free list and events of ``step``."""
+    snap = log.snapshots[step]
+    bs = log.config.block_size
+    lines = [f"Step {step}/{log.num_steps - 1}  {snap.title}".rstrip(), render_picture(log, step)]
+    if legend:
+        lines.append(LEGEND)
+    for name, req in snap.requests().items():
+        where = "" if req.slot is not None else "  (table kept outside the state)"
+        last = req.tokens_in(len(req.table) - 1, bs) if req.table else 0
+        lines.append(
+            f"{name}: {list(req.table)}  {req.num_tokens} tokens, last block {last}/{bs}{where}"
+        )
+    lines.append(f"Free list, next to be handed out first: {list(snap.free_order)}")
+    if events:
+        for e in log.events_at(step):
+            lines.append("  " + e.describe())
+    return "\n".join(lines)
+
+
+def render_run(log: RunLog) -> str:
+    """Every step, one after another: the text file the CLI writes."""
+    return "\n\n".join(render_step(log, t) for t in range(log.num_steps)) + "\n"
+
+
+def rich_step(log: RunLog, step: int):
+    """``render_step`` as ``rich`` text, each owner's cells in its colour."""
+    from rich.text import Text
+
+    text = Text(render_step(log, step))
+    colors = owner_colors(log)
+    chars = char_labels(log)
+    snap = log.snapshots[step]
+    live = {chars[name]: colors[name] for name in snap.requests()}
+    picture_lines = render_picture(log, step).count("\n") + 1
+    offset = len(text.plain.splitlines()[0]) + 1
+    for i, line in enumerate(text.plain.splitlines()[1 : 1 + picture_lines]):
+        if i % 3 == 0:  # a row of cells
+            for j in range(0, len(line), len(line) // max(1, line.count("]"))):
+                ch = line[j + 1 : j + 2]
+                if ch in live:
+                    text.stylize(f"bold white on {live[ch]}", offset + j, offset + j + 3)
+        offset += len(line) + 1
+    return text
+
+
+def play(log: RunLog, *, delay: float = 0.8, console=None, start: int = 0) -> None:
+    """Step through the run in a ``rich`` live view (``delay`` seconds per step)."""
+    from rich.live import Live
+    from rich.panel import Panel
+
+    def frame(step):
+        return Panel(rich_step(log, step), title=f"paged_jax: {log.scenario or 'run'}")
+
+    with Live(frame(start), console=console, auto_refresh=False) as live:
+        for step in range(start, log.num_steps):
+            live.update(frame(step), refresh=True)
+            time.sleep(delay)
