@@ -1,4 +1,4 @@
-"""The ``paged-jax`` command line: ``demo`` and ``bench``.
+"""The ``paged-jax`` command line: ``demo``, ``viz`` and ``bench``.
 
 Each subcommand imports its implementation lazily so that ``paged-jax --help`` is instant.
 """
@@ -16,6 +16,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _viz(args: argparse.Namespace) -> int:
+    from paged_jax.viz.cli import main as viz_main
+
+    return viz_main(args.rest)
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "allocator":
         from paged_jax.allocator.bench import main as bench_main
@@ -31,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="replay the seed walkthrough: requests A, B, C, a prefix")
     demo.set_defaults(func=_demo)
 
+    viz = sub.add_parser(
+        "viz", help="record a scenario or load a log; write every view", add_help=False
+    )
+    viz.add_argument("rest", nargs=argparse.REMAINDER, help="see `paged-jax viz --help`")
+    viz.set_defaults(func=_viz)
+
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a same-run baseline")
     bench.add_argument("what", choices=["allocator", "kernel"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the chosen benchmark")
@@ -39,7 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    # Subcommands with options of their own get everything after their name untouched.
+    if argv[:1] == ["viz"]:
+        return _viz(argparse.Namespace(rest=argv[1:]))
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("allocator", "kernel"):
+        return _bench(argparse.Namespace(what=argv[1], rest=argv[2:]))
+    args = parser.parse_args(argv)
     return args.func(args)
 
 

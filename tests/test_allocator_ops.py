@@ -81,6 +81,19 @@ class OpsTest(chex.TestCase):
         assert_invariants_hold(new)
 
     @chex.variants(with_jit=True, without_jit=True)
+    def test_reserve_steps_equals_successive_appends(self):
+        state, model = fresh()
+        state = self.run_admit(state, model, [0, 1, 2, 3], [0, 15, 16, 33])
+        for steps, ids in [(1, [2, 0, -1]), (5, [0, 1, 2, 3]), (17, [3, 1])]:
+            new, st = self.variant(lambda s, i, k=steps: pj.reserve_steps(s, i, k))(state, arr(ids))
+            for _ in range(steps):
+                model.append(ids, [1] * len(ids))
+            assert bool(st.applied)
+            assert_matches_model(new, model)
+            assert_invariants_hold(new)
+            state = new
+
+    @chex.variants(with_jit=True, without_jit=True)
     def test_release_returns_blocks_to_tail_in_order(self):
         state, model = fresh()
         state = self.run_admit(state, model, [0, 1, 2], [40, 24, 50])
@@ -211,6 +224,17 @@ class FailureTest(chex.TestCase):
         self.check_failed(new, st, codes)
 
     @chex.variants(with_jit=True, without_jit=True)
+    def test_reserve_steps_is_all_or_nothing(self):
+        # Seqs 0 and 1 hold 40 and 24 tokens; with 5 blocks left, 50 more steps need 3 + 3.
+        state, _ = pj.admit(self.state, arr([2, 3]), arr([80, 80]))
+        self.model.admit([2, 3], [80, 80])
+        self.state = state
+        new, st = self.variant(lambda s, i: pj.reserve_steps(s, i, 50))(state, arr([0, 1]))
+        assert np.asarray(st.code).tolist() == [NOT_APPLIED, OUT_OF_BLOCKS]
+        assert int(st.requested) == 6 and int(st.num_free) == 5
+        self.check_failed(new, st, [NOT_APPLIED, OUT_OF_BLOCKS])
+
+    @chex.variants(with_jit=True, without_jit=True)
     def test_bad_inputs_are_reported_per_entry(self):
         cases = [
             (pj.admit, ([9, 2], [1, 1]), self.model.admit([9, 2], [1, 1])),
@@ -305,7 +329,9 @@ def test_corrupted_states_are_caught_by_invariants():
     assert not bool(pj.check_invariants(holed)["tables_match_lengths"])
 
 
-@pytest.mark.parametrize("op", ["admit", "append", "release", "fork", "copy_on_write"])
+@pytest.mark.parametrize(
+    "op", ["admit", "append", "release", "fork", "copy_on_write", "reserve_steps"]
+)
 def test_ops_are_loop_free(op):
     """No while/scan/fori in the jaxpr: allocation is a prefix sum, not a per-block loop."""
     state, _ = fresh()
@@ -316,6 +342,7 @@ def test_ops_are_loop_free(op):
         "release": lambda s: pj.release(s, ids),
         "fork": lambda s: pj.fork(s, ids, arr([2, 3])),
         "copy_on_write": lambda s: pj.copy_on_write(s, ids, n),
+        "reserve_steps": lambda s: pj.reserve_steps(s, ids, 8),
     }[op]
     text = str(jax.make_jaxpr(fn)(state))
     for loop in ("while", "scan", "cond["):

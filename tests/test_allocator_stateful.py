@@ -6,6 +6,8 @@ jitted op compiles once. After every step: the invariants hold, and tables, leng
 counts, held counts and the free-list order equal the model's; a failed op changed nothing.
 """
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,7 @@ admit = jax.jit(pj.admit)
 append = jax.jit(pj.append)
 append_one = jax.jit(lambda s, ids: pj.append(s, ids, 1))
 release = jax.jit(pj.release)
+reserve_steps = jax.jit(pj.reserve_steps, static_argnums=2)
 fork = jax.jit(pj.fork)
 share_prefix = jax.jit(pj.share_prefix)
 copy_on_write = jax.jit(pj.copy_on_write)
@@ -76,6 +79,23 @@ class AllocatorMachine(RuleBasedStateMachine):
             ns = data.draw(st.lists(st.integers(-1, 9), min_size=len(ids), max_size=len(ids)))
             self.state, status = append(self.state, pad(ids), pad(ns, 0))
         assert self.codes(status, len(ids)) == self.model.append(ids, ns)
+
+    @precondition(lambda self: self.model.tables)
+    @rule(data=st.data(), steps=st.integers(0, 9))
+    def do_reserve_steps(self, data, steps):
+        ids = self.seq_ids(data, active=True)
+        self.state, status = reserve_steps(self.state, pad(ids), steps)
+        before = (list(self.model.free), list(self.model.refs), dict(self.model.lens),
+                  {k: list(v) for k, v in self.model.tables.items()})
+        applied = True
+        for _ in range(steps):
+            if any(c != 0 for c in self.model.append(ids, [1] * len(ids))):
+                applied = False
+                break
+        if not applied:  # all-or-nothing over every step: roll the model back
+            self.model.free = collections.deque(before[0])
+            self.model.refs, self.model.lens, self.model.tables = before[1], before[2], before[3]
+        assert bool(status.applied) == applied
 
     @precondition(lambda self: self.model.tables)
     @rule(data=st.data())

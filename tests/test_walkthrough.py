@@ -94,7 +94,8 @@ def test_example_script_and_cli(capsys, monkeypatch):
 
 
 def test_render_layout_wide_pools_stay_aligned():
-    state = pj.init_state(pj.CacheConfig(num_blocks=120, block_size=4, max_seqs=2, max_blocks_per_seq=120))
+    cfg = pj.CacheConfig(num_blocks=120, block_size=4, max_seqs=2, max_blocks_per_seq=120)
+    state = pj.init_state(cfg)
     state, _ = pj.admit(state, [0, 1], [400, 4])
     cells, ruler = pj.render_layout(state, labels={0: "A", 1: "B"}).splitlines()
     assert len(cells) == 120 * 4 and cells.startswith("[A ][A ]")

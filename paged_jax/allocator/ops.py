@@ -101,19 +101,22 @@ def _check_pool(code, need, state: BlockState, bound: int):
     return code, need, cum
 
 
-def _take_blocks(state: BlockState, need, cum, apply, max_new: int):
+def _take_blocks(state: BlockState, need, cum, apply, max_new: int, rank=None):
     """Hand out ``need[i]`` blocks to each entry from the head of the free ring.
 
-    ``cum`` is ``prefix_sum(need)`` from ``_check_pool``. Returns ``(state, blocks [batch,
-    max_new])``: blocks taken (NULL_BLOCK past ``need``), their ref counts set to 1 and their
-    ring slots cleared. Tables are not touched. Nothing is taken unless ``apply``.
+    ``cum`` is ``prefix_sum(need)`` from ``_check_pool``. By default entry ``i`` takes the
+    ring's blocks ``cum[i] - need[i] ...`` (batch order); ``rank`` [batch, max_new] overrides
+    which head offset each new block comes from. Returns ``(state, blocks [batch, max_new])``:
+    blocks taken (NULL_BLOCK past ``need``), their ref counts set to 1 and their ring slots
+    cleared. Tables are not touched. Nothing is taken unless ``apply``.
     """
     n = state.config.num_blocks
     need = jnp.where(apply, need, 0)
-    start = cum - need  # [batch], valid whenever apply
     j = jnp.arange(max_new, dtype=jnp.int32)[None, :]  # [1, max_new]
     take = j < need[:, None]  # [batch, max_new]
-    ring = (state.free_head + start[:, None] + j) % n  # [batch, max_new]
+    if rank is None:
+        rank = (cum - need)[:, None] + j  # [batch, max_new]
+    ring = (state.free_head + rank) % n  # [batch, max_new]
     blocks = jnp.where(take, state.free_list[ring], NULL_BLOCK)
     total = jnp.where(apply, cum[-1], 0) if cum.shape[0] else jnp.int32(0)
     state = state.replace(
@@ -201,37 +204,25 @@ def admit(state: BlockState, seq_ids, num_tokens) -> tuple[BlockState, Status]:
     return new, _status(code, ids, jnp.sum(need), state, "admit")
 
 
-def append(state: BlockState, seq_ids_or_mask, num_tokens=1) -> tuple[BlockState, Status]:
-    """Grow sequences by ``num_tokens``; each one crossing a block boundary gets new blocks.
-
-    One call serves a whole decode step.
-
-    Args:
-      seq_ids_or_mask: [batch] int ids (-1 = padding), or a [max_seqs] bool mask.
-      num_tokens: scalar or [batch] int. A Python int bounds the new blocks per entry at
-        ``ceil(num_tokens / block_size)`` statically, so a decode step (1 token) does O(batch)
-        work rather than O(batch * max_blocks_per_seq).
-    """
+def _select(state: BlockState, seq_ids_or_mask):
+    """Resolve ids or a mask. Returns ``(ids, valid, code, old_len, active, dense)``; in the
+    dense (mask) form entry i is slot i, so lengths and flags are read without gathers."""
     cfg = state.config
     sel = jnp.asarray(seq_ids_or_mask)
-    dense = sel.dtype == jnp.bool_
-    if dense:
-        # Mask form: entry i is slot i, so lengths and flags are read and written densely,
-        # with no gathers, scatters or duplicate check (the cheapest decode-step path).
+    if sel.dtype == jnp.bool_:
         if sel.shape != (cfg.max_seqs,):
             raise ValueError(f"A mask must have shape ({cfg.max_seqs},). Got {sel.shape}.")
-        slots = jnp.arange(cfg.max_seqs, dtype=jnp.int32)
-        ids = jnp.where(sel, slots, -1)
-        valid, code = sel, jnp.zeros(sel.shape, jnp.int32)
-        old_len, active = state.seq_lens, state.active
-    else:
-        ids, safe, valid, code = _prepare(state, seq_ids_or_mask)
-        old_len, active = state.seq_lens[safe], state.active[safe]
-    n = _broadcast_like(num_tokens, ids, "num_tokens")
-    if isinstance(num_tokens, (int, np.integer)) and num_tokens >= 0:
-        max_new = min(cfg.max_blocks_per_seq, _cdiv(int(num_tokens), cfg.block_size))
-    else:
-        max_new = cfg.max_blocks_per_seq
+        ids = jnp.where(sel, jnp.arange(cfg.max_seqs, dtype=jnp.int32), -1)
+        code = jnp.zeros(sel.shape, jnp.int32)
+        return ids, sel, code, state.seq_lens, state.active, True
+    ids, safe, valid, code = _prepare(state, seq_ids_or_mask)
+    return ids, valid, code, state.seq_lens[safe], state.active[safe], False
+
+
+def _grow(state, ids, valid, code, old_len, active, n, dense, op, rank_fn=None, max_new=None):
+    """Shared body of ``append`` and ``reserve_steps``: validate, claim blocks, extend tables
+    and lengths. ``rank_fn(need, have, cum) -> [batch, max_new]`` orders the hand-out."""
+    cfg = state.config
     new_len = old_len + n
     code = first_error(code, valid & ~active, Code.SEQ_INACTIVE)
     code = first_error(
@@ -241,7 +232,8 @@ def append(state: BlockState, seq_ids_or_mask, num_tokens=1) -> tuple[BlockState
     need = jnp.where(valid, _cdiv(new_len, cfg.block_size) - have, 0)
     code, need, cum = _check_pool(code, need, state, max_new)
     code, apply = finalize(code)
-    new, blocks = _take_blocks(state, need, cum, apply, max_new)
+    rank = None if rank_fn is None else rank_fn(need, have, old_len)
+    new, blocks = _take_blocks(state, need, cum, apply, max_new, rank)
     rows = jnp.where(valid, ids, cfg.max_seqs)
     new = _write_tables(new, rows, have, blocks)
     if dense:
@@ -249,7 +241,67 @@ def append(state: BlockState, seq_ids_or_mask, num_tokens=1) -> tuple[BlockState
     else:
         seq_lens = new.seq_lens.at[jnp.where(apply, rows, cfg.max_seqs)].set(new_len, mode="drop")
     new = new.replace(seq_lens=seq_lens)
-    return new, _status(code, ids, cum[-1] if cum.shape[0] else jnp.int32(0), state, "append")
+    return new, _status(code, ids, cum[-1] if cum.shape[0] else jnp.int32(0), state, op)
+
+
+def append(state: BlockState, seq_ids_or_mask, num_tokens=1) -> tuple[BlockState, Status]:
+    """Grow sequences by ``num_tokens``; each one crossing a block boundary gets new blocks.
+
+    One call serves a whole decode step. New blocks go in batch order, then logical order.
+
+    Args:
+      seq_ids_or_mask: [batch] int ids (-1 = padding), or a [max_seqs] bool mask (the
+        cheapest form: no gathers, scatters or duplicate check on lengths).
+      num_tokens: scalar or [batch] int. A Python int bounds the new blocks per entry at
+        ``ceil(num_tokens / block_size)`` statically, so a decode step (1 token) does O(batch)
+        work rather than O(batch * max_blocks_per_seq).
+    """
+    cfg = state.config
+    ids, valid, code, old_len, active, dense = _select(state, seq_ids_or_mask)
+    n = _broadcast_like(num_tokens, ids, "num_tokens")
+    if isinstance(num_tokens, (int, np.integer)) and num_tokens >= 0:
+        max_new = min(cfg.max_blocks_per_seq, _cdiv(int(num_tokens), cfg.block_size))
+    else:
+        max_new = cfg.max_blocks_per_seq
+    return _grow(state, ids, valid, code, old_len, active, n, dense, "append",
+                 max_new=max_new)
+
+
+def reserve_steps(state: BlockState, seq_ids_or_mask, num_steps: int):
+    """``num_steps`` decode steps of bookkeeping in one op: the same state as ``num_steps``
+    successive ``append(state, seq_ids_or_mask, 1)`` calls, blocks handed out step by step.
+
+    A multi-step decode calls this once per dispatch, then reads each step's write slot with
+    ``slot_mapping`` at positions ``len .. len + num_steps - 1``. All-or-nothing over all the
+    steps: if the pool cannot hold every step, nothing changes.
+
+    How the order is computed without a loop: entry ``i`` (length ``L``, ``h = cdiv(L, bs)``
+    blocks) takes its ``j``-th new block at step ``t = (h + j) * bs - L``, so its crossings
+    form the residue class ``t0 = h * bs - L (mod bs)``. The blocks handed out before that one
+    are every crossing at an earlier step, ``sum_r n_r * cdiv(t - r, bs)`` over classes ``r``
+    with ``n_r`` members, plus earlier entries of the same class at the same step.
+    """
+    if not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
+        raise ValueError(f"num_steps must be a Python int >= 0. Got {num_steps!r}.")
+    cfg = state.config
+    bs = cfg.block_size
+    ids, valid, code, old_len, active, dense = _select(state, seq_ids_or_mask)
+    max_new = min(cfg.max_blocks_per_seq, _cdiv(int(num_steps), bs))
+
+    def rank_fn(need, have, length):
+        t0 = have * bs - length  # [batch] step of the first crossing, in [0, bs)
+        classes = jnp.arange(bs, dtype=jnp.int32)
+        member = (need > 0)[:, None] & (t0[:, None] == classes[None, :])  # [batch, bs]
+        n_r = jnp.sum(member, axis=0, dtype=jnp.int32)  # [bs]
+        same_before = jnp.cumsum(member, axis=0, dtype=jnp.int32) - member  # [batch, bs]
+        within = jnp.sum(jnp.where(member, same_before, 0), axis=1)  # [batch]
+        t = t0[:, None] + bs * jnp.arange(max_new, dtype=jnp.int32)[None, :]  # [batch, new]
+        earlier = jnp.maximum(_cdiv(t[..., None] - classes, bs), 0)  # [batch, new, bs]
+        return jnp.sum(earlier * n_r, axis=-1) + within[:, None]
+
+    n = jnp.full(ids.shape, num_steps, jnp.int32)
+    return _grow(state, ids, valid, code, old_len, active, n, dense, "reserve_steps",
+                 rank_fn=rank_fn, max_new=max_new)
 
 
 def release(state: BlockState, seq_ids) -> tuple[BlockState, Status]:

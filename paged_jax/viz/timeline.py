@@ -51,6 +51,7 @@ def save_timeline(log: RunLog, path: str | os.PathLike) -> None:
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     n, steps = log.config.num_blocks, log.num_steps
     height = 2.5 + 0.16 * n * 2
@@ -78,6 +79,9 @@ def save_timeline(log: RunLog, path: str | os.PathLike) -> None:
     bottom.set_ylabel("physical block")
     bottom.set_xlabel("step")
     bottom.set_title("Ref counts (> 1: shared)")
+    for ax in (top, bottom):  # block ids and steps are integers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(path)
 
 
