@@ -1,62 +1,46 @@
-"""paged_jax: JAX-native PagedAttention."""
+"""paged_jax: JAX-native PagedAttention.
 
-from paged_jax.allocator import (
-    NULL_BLOCK,
-    BlockAllocator,
-    BlockState,
-    CacheConfig,
-    Code,
-    OutOfBlocksError,
-    RequestState,
-    Status,
-    admit,
-    allocate_blocks,
-    append,
-    assert_invariants,
-    blocks_of,
-    check_invariants,
-    copy_on_write,
-    fork,
-    free_blocks,
-    free_list_order,
-    init_state,
-    release,
-    reserve_steps,
-    share_blocks,
-    share_prefix,
-    slot_mapping,
-)
+Bottom up: ``allocator`` (``BlockState`` and its pure ops, plus the seed's eager classes),
+``kvcache`` (paged K/V buffers), ``kernels`` (paged attention: Pallas and XLA), ``model`` (a
+Flax NNX Llama and checkpoint loading), ``engine`` (jitted prefill and decode steps) and
+``viz`` (event log and pictures).
+"""
+
+from paged_jax import allocator
+from paged_jax.allocator import *  # noqa: F403  (the allocator's public names, see its __all__)
+from paged_jax.engine import decode_step, decode_steps, prefill
 from paged_jax.kernels import paged_attention, paged_attention_xla
-from paged_jax.viz import render_layout
+from paged_jax.kvcache import BlockPlan, KVCache, init_cache, plan_blocks
+from paged_jax.model import (
+    CheckpointError,
+    Llama,
+    ModelConfig,
+    RopeScaling,
+    init_model,
+    load_checkpoint,
+)
+from paged_jax.viz import Recorder, RunLog, render_layout
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "NULL_BLOCK",
-    "BlockAllocator",
-    "BlockState",
-    "CacheConfig",
-    "Code",
-    "OutOfBlocksError",
-    "RequestState",
-    "Status",
-    "admit",
-    "allocate_blocks",
-    "append",
-    "assert_invariants",
-    "blocks_of",
-    "check_invariants",
-    "copy_on_write",
-    "fork",
-    "free_blocks",
-    "free_list_order",
-    "init_state",
+    *allocator.__all__,
+    "BlockPlan",
+    "CheckpointError",
+    "KVCache",
+    "Llama",
+    "ModelConfig",
+    "Recorder",
+    "RopeScaling",
+    "RunLog",
+    "decode_step",
+    "decode_steps",
+    "init_cache",
+    "init_model",
+    "load_checkpoint",
     "paged_attention",
     "paged_attention_xla",
-    "release",
-    "reserve_steps",
+    "plan_blocks",
+    "prefill",
     "render_layout",
-    "share_blocks",
-    "share_prefix",
-    "slot_mapping",
 ]

@@ -1,4 +1,4 @@
-"""The ``paged-jax`` command line: ``demo``, ``viz`` and ``bench``.
+"""The ``paged-jax`` command line: ``demo``, ``viz``, ``generate`` and ``bench``.
 
 Each subcommand imports its implementation lazily so that ``paged-jax --help`` is instant.
 """
@@ -22,12 +22,23 @@ def _viz(args: argparse.Namespace) -> int:
     return viz_main(args.rest)
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from paged_jax.engine.generate import main as generate_main
+
+    return generate_main(args.rest)
+
+
+BENCHMARKS = {
+    "allocator": "paged_jax.allocator.bench",
+    "kernel": "paged_jax.kernels.bench",
+    "decode": "paged_jax.engine.bench",
+}
+
+
 def _bench(args: argparse.Namespace) -> int:
-    if args.what == "allocator":
-        from paged_jax.allocator.bench import main as bench_main
-    else:  # argparse restricts the choices
-        from paged_jax.kernels.bench import main as bench_main
-    return bench_main(args.rest)
+    import importlib
+
+    return importlib.import_module(BENCHMARKS[args.what]).main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     viz.add_argument("rest", nargs=argparse.REMAINDER, help="see `paged-jax viz --help`")
     viz.set_defaults(func=_viz)
 
+    gen = sub.add_parser(
+        "generate", help="prefill + multi-step decode for a ragged batch", add_help=False
+    )
+    gen.add_argument("rest", nargs=argparse.REMAINDER, help="see `paged-jax generate --help`")
+    gen.set_defaults(func=_generate)
+
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a same-run baseline")
-    bench.add_argument("what", choices=["allocator", "kernel"])
+    bench.add_argument("what", choices=sorted(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the chosen benchmark")
     bench.set_defaults(func=_bench)
     return parser
@@ -56,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     # Subcommands with options of their own get everything after their name untouched.
     if argv[:1] == ["viz"]:
         return _viz(argparse.Namespace(rest=argv[1:]))
-    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in ("allocator", "kernel"):
+    if argv[:1] == ["generate"]:
+        return _generate(argparse.Namespace(rest=argv[1:]))
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCHMARKS:
         return _bench(argparse.Namespace(what=argv[1], rest=argv[2:]))
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,4 +1,4 @@
-"""``paged-jax viz``: every view written; a saved log redraws the same views; no fake engine."""
+"""``paged-jax viz``: every view written; a saved log redraws the same views."""
 
 from __future__ import annotations
 
@@ -44,13 +44,6 @@ def test_seed_then_redraw_from_its_log(tmp_path, capsys):
         b = np.asarray(Image.open(second / name).convert("RGB"))
         assert np.array_equal(a, b), name
     assert not (second / "layout.gif").exists()
-
-
-def test_engine_scenario_is_a_clear_error(tmp_path, capsys):
-    assert main(["--scenario", "engine", "--out", str(tmp_path / "e")]) == 2
-    err = capsys.readouterr().err
-    assert "no engine yet" in err and "--scenario engine" in err
-    assert not (tmp_path / "e").exists()
 
 
 def test_bad_log_is_an_error(tmp_path, capsys):

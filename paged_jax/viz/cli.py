@@ -15,11 +15,6 @@ import os
 import sys
 
 SCENARIO_CHOICES = ("seed", "prefix-sharing", "fork-cow", "random", "engine")
-ENGINE_MISSING = (
-    "paged-jax viz: --scenario engine records a run of the serving engine, and paged_jax has "
-    "no engine yet. Use --scenario seed|prefix-sharing|fork-cow|random, or --log FILE."
-)
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -44,14 +39,12 @@ def record(scenario: str, steps: int = 40, seed: int = 0):
     from paged_jax.viz import scenarios
 
     if scenario == "engine":
-        raise EngineUnavailable(ENGINE_MISSING)
+        from paged_jax.viz.engine_run import engine_run
+
+        return engine_run(seed=seed)
     if scenario == "random":
         return scenarios.random_run(steps=steps, seed=seed)
     return scenarios.SCENARIOS[scenario]()
-
-
-class EngineUnavailable(RuntimeError):
-    pass
 
 
 def write_views(log, out: str, *, gif: bool = True, progress: bool = True) -> list[str]:
@@ -91,11 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"paged-jax viz: cannot read {args.log}: {err}", file=sys.stderr)
             return 1
     else:
-        try:
-            log = record(args.scenario, args.steps, args.seed)
-        except EngineUnavailable as err:
-            print(err, file=sys.stderr)
-            return 2
+        log = record(args.scenario, args.steps, args.seed)
     try:
         paths = write_views(log, args.out, gif=not args.no_gif, progress=not args.quiet)
     except ImportError as err:

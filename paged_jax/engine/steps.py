@@ -1,0 +1,319 @@
+"""The jitted serving steps: ``prefill``, ``decode_step`` and the K-step ``decode_steps``.
+
+Each step takes the model as ``(graphdef, params)`` from ``nnx.split`` (the graph is static,
+the parameters are arguments, never constants in the HLO), the paged ``KVCache`` and the
+allocator's ``BlockState``, and returns them updated. The cache and the state are donated:
+XLA updates them in place and the caller's input arrays are deleted.
+
+Row ``s`` of a step's batch is sequence slot ``s`` of the ``BlockState``. Everything that
+varies between calls (which rows are active, their lengths, their tables) is an array, so one
+compiled executable serves every mix of sequences.
+
+Failure is all-or-nothing, as in the allocator: when a step cannot get the blocks it needs,
+its ``Status`` says so, the returned cache and state equal the inputs, and the logits are
+meaningless.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paged_jax.allocator import BlockState, Code, Status, admit, append, copy_on_write
+from paged_jax.allocator import slot_mapping as _slot_mapping
+from paged_jax.allocator.status import finalize
+from paged_jax.kernels import paged_attention
+from paged_jax.kvcache import KVCache, copy_blocks, write
+from paged_jax.model.llama import masked_attention
+
+DONATE = ("kv", "state")
+
+
+def _select(pred, on_true, on_false):
+    """Pytree-wide ``where`` on a scalar predicate (all-or-nothing state updates)."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _combine(ids, state: BlockState, op: str, *statuses: Status, code=None) -> Status:
+    """One status for several allocator ops run as one: the first real error per entry
+    (``code``, if given, holds the step's own checks and comes first)."""
+    code = jnp.zeros(ids.shape, jnp.int32) if code is None else code
+    for s in statuses:
+        err = (s.code != Code.OK) & (s.code != Code.NOT_APPLIED)
+        code = jnp.where((code == Code.OK) & err, s.code, code)
+    code, _ = finalize(code)
+    requested = sum(s.requested for s in statuses)
+    return Status(code=code, ids=ids, requested=requested, num_free=state.num_free, op=op)
+
+
+def _gather_pages(
+    pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    tables: jax.Array,  # [B, M] int32, -1 = none
+) -> jax.Array:  # [B, M * block_size, num_kv_heads, head_dim]
+    heads, num_blocks, block_size, head_dim = pages.shape
+    batch, m = tables.shape
+    safe = jnp.where((tables >= 0) & (tables < num_blocks), tables, num_blocks)
+    kv = jnp.take(pages, safe, axis=1, mode="fill", fill_value=0)  # [H, B, M, bs, D]
+    return kv.reshape(heads, batch, m * block_size, head_dim).transpose(1, 2, 0, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill
+
+
+def _prefill(graphdef, params, kv: KVCache, state: BlockState, tokens, seq_ids, num_tokens,
+             *, all_logits: bool):
+    cfg = state.config
+    batch, width = tokens.shape
+    ids = seq_ids.astype(jnp.int32)
+    n = num_tokens.astype(jnp.int32)
+    in_range = (ids >= 0) & (ids < cfg.max_seqs)
+    safe = jnp.where(in_range, ids, 0)
+    # A row whose slot is already active (its first blocks shared or prefix-cached) extends
+    # it; any other row is admitted fresh.
+    cached_row = in_range & state.active[safe]
+    cached = jnp.where(cached_row, state.seq_lens[safe], 0)  # [B] tokens already in the cache
+
+    st, s_admit = admit(state, jnp.where(cached_row, -1, ids), jnp.where(cached_row, 0, n))
+    st, s_append = append(st, jnp.where(cached_row, ids, -1), jnp.where(cached_row, n, 0))
+    # Only the block holding the first new token can be shared and partly filled.
+    cow_ids = jnp.where(cached_row & (cached % cfg.block_size != 0) & (n > 0), ids, -1)
+    st, (src, dst), s_cow = copy_on_write(st, cow_ids, cached)
+    # A real row must bring 1..T new tokens: more than `tokens` holds would leave cache
+    # slots that nothing writes.
+    bad_len = (ids != -1) & ((n < 1) | (n > width))
+    own = jnp.where(bad_len, jnp.int32(Code.BAD_LENGTH), jnp.int32(Code.OK))
+    status = _combine(ids, state, "prefill", s_admit, s_append, s_cow, code=own)
+    ok = status.applied
+    state = _select(ok, st, state)
+    kv = copy_blocks(kv, jnp.where(ok, src, -1), dst)
+
+    positions = cached[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, T]
+    live = ok & (jnp.arange(width)[None, :] < n[:, None])  # [B, T]
+    slots = jnp.where(live, _slot_mapping(state, ids, positions), -1)  # [B, T]
+    kv_lens = jnp.where(ok & in_range, state.seq_lens[safe], 0)  # [B]
+    tables = jnp.where(in_range[:, None], state.block_tables[safe], -1)  # [B, M]
+    key_pos = jnp.arange(tables.shape[1] * cfg.block_size)  # [S]
+    mask = (key_pos[None, None, :] <= positions[:, :, None]) & (
+        key_pos[None, None, :] < kv_lens[:, None, None]
+    )  # [B, T, S]
+
+    def attend(layer, q, k, v, kv):  # q [B, T, Hq, D]; k, v [B, T, Hkv, D]
+        kv = write(kv, layer, slots, k, v)
+        keys = _gather_pages(kv.k[layer], tables)  # [B, S, Hkv, D]
+        values = _gather_pages(kv.v[layer], tables)
+        return masked_attention(q, keys, values, mask), kv
+
+    model = nnx.merge(graphdef, params)
+    h, kv = model.hidden(tokens.astype(jnp.int32), positions, kv, attend)  # [B, T, E]
+    if all_logits:
+        logits = model.logits(h)  # [B, T, V]
+    else:
+        last = jnp.maximum(n - 1, 0)
+        logits = model.logits(h[jnp.arange(batch), last])  # [B, V]
+    return logits, kv, state, status
+
+
+_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "all_logits"), donate_argnames=DONATE)
+
+
+def prefill(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    kv: KVCache,  # donated
+    state: BlockState,  # donated
+    tokens: jax.Array,  # [B, T] int32, row b's new tokens left-aligned, padded past num_tokens
+    seq_ids: jax.Array,  # [B] int32 sequence slots, -1 = padding row
+    num_tokens: jax.Array,  # [B] int32 new tokens per row (>= 1 for real rows)
+    *,
+    all_logits: bool = False,
+) -> tuple[jax.Array, KVCache, BlockState, Status]:
+    """Run a ragged batch of prompts, write their K/V into their blocks.
+
+    A row whose slot is inactive is admitted with ``num_tokens`` tokens. A row whose slot is
+    already active (after ``share_prefix`` or a prefix-cache hit) holds ``seq_len`` cached
+    tokens: only its new tokens are computed, at positions ``seq_len, seq_len + 1, ...``,
+    attending over the cached blocks (a shared, partly filled last block is copied first).
+
+    Returns:
+      ``(logits, kv, state, status)``: logits ``[B, V]`` f32 at each row's last new token
+      (``[B, T, V]`` at every position with ``all_logits=True``).
+    """
+    tokens, seq_ids = jnp.asarray(tokens), jnp.asarray(seq_ids)
+    num_tokens = jnp.asarray(num_tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"tokens must be a [batch, T] int array. Got {tokens.dtype}{tokens.shape}."
+        )
+    for name, x in (("seq_ids", seq_ids), ("num_tokens", num_tokens)):
+        if x.shape != tokens.shape[:1] or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(
+                f"{name} must be a [batch] int array with batch = {tokens.shape[0]}. "
+                f"Got {x.dtype}{x.shape}."
+            )
+    return _prefill_jit(graphdef, params, kv, state, tokens, seq_ids, num_tokens,
+                        all_logits=all_logits)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode
+
+
+def _check_decode_tokens(tokens, state: BlockState) -> None:
+    shape, dtype = jnp.shape(tokens), jnp.result_type(tokens)
+    if shape != (state.config.max_seqs,) or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(
+            f"tokens must be a [max_seqs] = [{state.config.max_seqs}] int array, one per "
+            f"sequence slot. Got {dtype}{shape}."
+        )
+
+
+def _decode(model, kv: KVCache, state: BlockState, tokens, mask, impl: str, interpret: bool):
+    """One token for every row in ``mask`` (a [max_seqs] bool); see ``decode_step``."""
+    cfg = state.config
+    ids = jnp.where(mask, jnp.arange(cfg.max_seqs, dtype=jnp.int32), -1)  # [S]
+    positions = state.seq_lens  # [S] where the new token goes
+    st, s_append = append(state, mask, 1)
+
+    # Copy-on-write is rare (the first write after a fork into a shared, partly filled
+    # block), and as many small ops as the rest of the allocator work: skip it when no row
+    # writes into a shared block.
+    def cow(st, kv):
+        st, (src, dst), s_cow = copy_on_write(st, ids, positions)
+        src = jnp.where(s_append.applied & s_cow.applied, src, -1)
+        return st, copy_blocks(kv, src, dst), s_cow.code, s_cow.requested
+
+    def no_cow(st, kv):
+        return st, kv, jnp.zeros_like(ids), jnp.int32(0)
+
+    col = jnp.clip(positions // cfg.block_size, 0, cfg.max_blocks_per_seq - 1)
+    block = st.block_tables[jnp.arange(cfg.max_seqs), col]  # [S] the block each row writes
+    shared = mask & (st.ref_counts[jnp.clip(block, 0, cfg.num_blocks - 1)] > 1) & (block >= 0)
+    st, kv, cow_code, cow_requested = jax.lax.cond(jnp.any(shared), cow, no_cow, st, kv)
+    s_cow = Status(code=cow_code, ids=ids, requested=cow_requested, num_free=st.num_free,
+                   op="copy_on_write")
+    status = _combine(ids, state, "decode_step", s_append, s_cow)
+    ok = status.applied
+    state = _select(ok, st, state)
+
+    slots = jnp.where(ok, _slot_mapping(state, ids, positions), -1)  # [S]
+    context_lens = jnp.where(ok & mask, state.seq_lens, 0)  # [S], includes the new token
+
+    def attend(layer, q, k, v, kv):  # q [S, 1, Hq, D]; k, v [S, 1, Hkv, D]
+        kv = write(kv, layer, slots, k, v)
+        out = paged_attention(
+            q[:, 0], kv.k[layer], kv.v[layer], state.block_tables, context_lens,
+            impl=impl, interpret=interpret,
+        )  # [S, Hq, D]
+        return out[:, None], kv
+
+    logits, kv = model(tokens[:, None], positions[:, None], kv, attend)  # [S, 1, V]
+    return logits[:, 0], kv, state, status
+
+
+def _decode_step(graphdef, params, kv, state, tokens, *, impl, interpret):
+    model = nnx.merge(graphdef, params)
+    return _decode(model, kv, state, tokens.astype(jnp.int32), state.active, impl, interpret)
+
+
+_decode_step_jit = jax.jit(
+    _decode_step, static_argnames=("graphdef", "impl", "interpret"), donate_argnames=DONATE
+)
+
+
+def decode_step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    kv: KVCache,  # donated
+    state: BlockState,  # donated
+    tokens: jax.Array,  # [max_seqs] int32, each active sequence's newest token
+    *,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> tuple[jax.Array, KVCache, BlockState, Status]:
+    """One decode step for every active sequence.
+
+    Appends a slot per active sequence (``append`` with the active mask; ``copy_on_write``
+    when that slot lies in a shared block, the block copy applied here), writes the new K/V in
+    place, runs ``paged_attention`` (``impl`` "auto", "pallas" (``interpret=True`` on CPU) or
+    "xla") and returns ``(logits [max_seqs, V] f32, kv, state, status)``. Rows of inactive
+    slots are computed but write nothing; their logits are meaningless.
+    """
+    _check_decode_tokens(tokens, state)
+    return _decode_step_jit(graphdef, params, kv, state, tokens, impl=impl, interpret=interpret)
+
+
+def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_steps, impl,
+                  interpret, return_logits, sample):
+    model = nnx.merge(graphdef, params)
+    temperature = jnp.asarray(temperature, jnp.float32)
+
+    def body(carry, step_key):
+        kv, state, tokens, ok, status = carry
+        mask = state.active & ok  # after a failure no further step does anything
+        logits, kv, state, step_status = _decode(model, kv, state, tokens, mask, impl, interpret)
+        status = _select(ok, step_status, status)  # the last step that ran, failed or not
+        ok = ok & step_status.applied
+        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if sample:  # static: a greedy run draws no random numbers
+            scaled = logits / jnp.maximum(temperature, 1e-6)
+            nxt = jnp.where(temperature > 0, jax.random.categorical(step_key, scaled), nxt)
+            nxt = nxt.astype(jnp.int32)
+        emitted = jnp.where(mask & ok, nxt, -1)  # [S]
+        tokens = jnp.where(mask & ok, nxt, tokens)
+        out = (emitted, logits) if return_logits else (emitted,)
+        return (kv, state, tokens, ok, status), out
+
+    cfg = state.config
+    status0 = Status(
+        code=jnp.zeros((cfg.max_seqs,), jnp.int32),
+        ids=jnp.where(state.active, jnp.arange(cfg.max_seqs, dtype=jnp.int32), -1),
+        requested=jnp.int32(0), num_free=state.num_free, op="decode_step",
+    )
+    carry = (kv, state, tokens.astype(jnp.int32), jnp.bool_(True), status0)
+    (kv, state, _, _, status), out = jax.lax.scan(body, carry, jax.random.split(key, num_steps))
+    logits = out[1] if return_logits else None
+    return out[0], logits, kv, state, status
+
+
+_decode_steps_jit = jax.jit(
+    _decode_steps,
+    static_argnames=("graphdef", "num_steps", "impl", "interpret", "return_logits", "sample"),
+    donate_argnames=DONATE,
+)
+
+
+def decode_steps(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    kv: KVCache,  # donated
+    state: BlockState,  # donated
+    tokens: jax.Array,  # [max_seqs] int32, each active sequence's newest token
+    key: jax.Array | None = None,
+    temperature: float | jax.Array = 0.0,
+    *,
+    num_steps: int,
+    impl: str = "auto",
+    interpret: bool = False,
+    return_logits: bool = False,
+) -> tuple[jax.Array, jax.Array | None, KVCache, BlockState, Status]:
+    """``num_steps`` decode steps in one dispatch (a ``lax.scan``), each step's token fed
+    back: greedy (``temperature == 0``) or sampled at ``temperature`` with ``key``.
+
+    Returns ``(tokens [num_steps, max_seqs] int32, logits [num_steps, max_seqs, V] or None,
+    kv, state, status)``. ``tokens`` is -1 for inactive rows, and for every row from the
+    first step that failed (out of blocks) on: that step and the ones after it change nothing,
+    and ``status`` is that step's.
+    """
+    _check_decode_tokens(tokens, state)
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive int. Got {num_steps!r}.")
+    # A Python 0 compiles a greedy-only scan; any other value (or an array) can sample.
+    sample = not (isinstance(temperature, (int, float)) and temperature == 0)
+    if key is None:
+        key = jax.random.key(0)
+    return _decode_steps_jit(
+        graphdef, params, kv, state, tokens, key, temperature, num_steps=num_steps, impl=impl,
+        interpret=interpret, return_logits=return_logits, sample=sample,
+    )

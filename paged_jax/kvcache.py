@@ -1,0 +1,138 @@
+"""The paged KV cache: one K and one V buffer shared by every layer, and the memory planner.
+
+Both buffers are ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]``. A block id
+names the same block in every layer, so the allocator's ``BlockState`` addresses all layers
+at once: a "block" of the seed's arithmetic is ``num_layers`` per-layer pages. Writes scatter
+to the ``slot_mapping`` slots (``block * block_size + offset``) of a per-layer flat view; a
+``-1`` slot is sent out of range and dropped, so padding and inactive rows never write.
+Under a jitted step that donates the buffers, every update here happens in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from paged_jax.allocator import CacheConfig
+from paged_jax.model.config import ModelConfig
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    v: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[3]
+
+
+def init_cache(model: ModelConfig, cache: CacheConfig, dtype=None, fill: float = 0.0) -> KVCache:
+    """Zeroed (or ``fill``-ed, e.g. NaN to poison) K/V buffers for ``cache.num_blocks`` blocks."""
+    shape = (model.num_layers, model.num_kv_heads, cache.num_blocks, cache.block_size,
+             model.head_dim)
+    dtype = jnp.dtype(dtype or model.dtype)
+    return KVCache(k=jnp.full(shape, fill, dtype), v=jnp.full(shape, fill, dtype))
+
+
+def write(
+    kv: KVCache,
+    layer: int,
+    slots: jax.Array,  # [...] int32 slot ids, -1 = do not write
+    k: jax.Array,  # [..., num_kv_heads, head_dim]
+    v: jax.Array,  # [..., num_kv_heads, head_dim]
+) -> KVCache:
+    """Scatter new K/V of one layer into their slots; ``-1`` slots are dropped."""
+    num_layers, heads, num_blocks, block_size, head_dim = kv.k.shape
+    flat_slots = slots.reshape(-1)
+    capacity = num_blocks * block_size
+    target = jnp.where(flat_slots >= 0, flat_slots, capacity)  # out of range -> dropped
+    if target.shape[0] == 1:
+        # XLA rewrites a one-row dropping scatter as select(in_bounds, update_slice, buffer),
+        # which copies the whole buffer; a second, always-dropped row keeps it a scatter.
+        target = jnp.concatenate([target, jnp.full((1,), capacity, target.dtype)])
+        k, v = (jnp.concatenate([x.reshape(1, -1), x.reshape(1, -1)]) for x in (k, v))
+
+    def scatter(buf, new):
+        flat = buf.reshape(num_layers, heads, capacity, head_dim)  # a view: no copy
+        new = new.reshape(-1, heads, head_dim).astype(buf.dtype)  # [n, heads, head_dim]
+        flat = flat.at[layer, :, target].set(new, mode="drop")
+        return flat.reshape(buf.shape)
+
+    return KVCache(k=scatter(kv.k, k), v=scatter(kv.v, v))
+
+
+def copy_blocks(
+    kv: KVCache,
+    src: jax.Array,  # [n] int32 block ids, -1 = no copy
+    dst: jax.Array,  # [n] int32 block ids, -1 = no copy
+) -> KVCache:
+    """``block[dst] <- block[src]`` in every layer (the pairs ``copy_on_write`` returns)."""
+    live = (src >= 0) & (dst >= 0)
+    src = jnp.where(live, src, 0)
+    dst = jnp.where(live, dst, kv.num_blocks)
+
+    def copy(buf):
+        return buf.at[:, :, dst].set(buf[:, :, src], mode="drop")
+
+    return KVCache(k=copy(kv.k), v=copy(kv.v))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """How many KV blocks fit in a memory budget."""
+
+    block_size: int
+    bytes_per_block_per_layer: int  # K and V of one block in one layer
+    bytes_per_block: int  # ... in every layer: what one block id costs
+    num_blocks: int
+    memory_bytes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def cache_config(self, max_seqs: int, max_blocks_per_seq: int) -> CacheConfig:
+        return CacheConfig(self.num_blocks, self.block_size, max_seqs, max_blocks_per_seq)
+
+
+def plan_blocks(
+    model: ModelConfig, memory_bytes: int, block_size: int = 16, dtype=None
+) -> BlockPlan:
+    """Bytes per block and how many blocks fit in ``memory_bytes`` of KV cache.
+
+    The seed's figures, for a Llama-2-7B-shaped model (32 layers, 32 KV heads, head_dim 128)
+    in fp16 with 16-token blocks: 256 KB per block per layer, 8 MB per block for 32 layers,
+    and about 10,000 blocks in 80 GB:
+
+    >>> llama2_7b = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+    ...     num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, dtype="float16")
+    >>> plan = plan_blocks(llama2_7b, memory_bytes=80 * 2**30, block_size=16)
+    >>> plan.bytes_per_block_per_layer // 2**10  # KB: 2 (K, V) * 16 * 32 * 128 * 2 bytes
+    256
+    >>> plan.bytes_per_block // 2**20  # MB
+    8
+    >>> plan.num_blocks
+    10240
+    """
+    if not isinstance(memory_bytes, int) or memory_bytes < 0:
+        raise ValueError(f"memory_bytes must be a non-negative int. Got {memory_bytes!r}.")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int. Got {block_size!r}.")
+    itemsize = jnp.dtype(dtype or model.dtype).itemsize
+    per_layer = 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
+    per_block = per_layer * model.num_layers
+    return BlockPlan(
+        block_size=block_size,
+        bytes_per_block_per_layer=per_layer,
+        bytes_per_block=per_block,
+        num_blocks=memory_bytes // per_block,
+        memory_bytes=memory_bytes,
+    )

@@ -1,0 +1,213 @@
+"""A Llama-family decoder in Flax NNX: RMSNorm, RoPE (with llama3 scaling), GQA, SwiGLU.
+
+The model owns no cache. Each attention layer computes its rotated q/k/v and hands them to an
+``attend`` function together with whatever cache pytree the caller threads through the layers:
+
+    attend(layer, q, k, v, cache) -> (out, cache)
+      q: [B, T, num_heads, head_dim]; k, v: [B, T, num_kv_heads, head_dim]
+      out: [B, T, num_heads, head_dim]
+
+so one set of weights serves the dense no-cache forward pass (the default, used as the
+reference), the paged prefill and decode steps (``paged_jax.engine``) and the contiguous-cache
+baseline of the benchmark. Attribute names follow Hugging Face's so checkpoints map 1:1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paged_jax.model.config import ModelConfig
+
+AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """[head_dim // 2] float32 inverse frequencies, computed as transformers does (in f32)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (
+        np.float32(config.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))
+    )
+    inv_freq = inv_freq.astype(np.float32)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    # Llama 3: long wavelengths are slowed down by `factor`, short ones kept, a smooth ramp
+    # in between.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(
+    x: jax.Array,  # [B, T, H, D]
+    positions: jax.Array,  # [B, T] int32
+    inv_freq: np.ndarray,  # [D // 2] float32
+) -> jax.Array:  # [B, T, H, D], x.dtype
+    """Rotate-half RoPE (the Hugging Face convention: the two halves of D pair up)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def masked_attention(
+    q: jax.Array,  # [B, T, Hq, D]
+    k: jax.Array,  # [B, S, Hkv, D]
+    v: jax.Array,  # [B, S, Hkv, D]
+    mask: jax.Array,  # [B, T, S] bool, true = may attend
+) -> jax.Array:  # [B, T, Hq, D]
+    """GQA softmax attention (f32 logits and softmax) under an explicit mask."""
+    # Masked keys and values are zeroed so that whatever a slot holds (NaN in a poisoned or
+    # never-written block) cannot leak into the output through 0 * NaN.
+    key_live = jnp.any(mask, axis=1)[:, :, None, None]  # [B, S, 1, 1]
+    k = jnp.where(key_live, k, 0)
+    v = jnp.where(key_live, v, 0)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
+
+
+def causal_attend(positions: jax.Array, lengths: jax.Array | None = None) -> AttendFn:
+    """The no-cache ``attend``: token t sees tokens at positions <= its own (and < length)."""
+    batch, seq = positions.shape
+    valid = jnp.ones((batch, seq), bool)
+    if lengths is not None:
+        valid = jnp.arange(seq)[None, :] < lengths[:, None]  # [B, T]
+    mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]  # [B, T, T]
+
+    def attend(layer, q, k, v, cache):
+        return masked_attention(q, k, v, mask), cache
+
+    return attend
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        e, d = config.hidden_size, config.head_dim
+        kw = dict(dtype=config.jnp_dtype, param_dtype=config.jnp_dtype, rngs=rngs)
+        self.q_proj = nnx.Linear(e, config.num_heads * d, use_bias=config.qkv_bias, **kw)
+        self.k_proj = nnx.Linear(e, config.num_kv_heads * d, use_bias=config.qkv_bias, **kw)
+        self.v_proj = nnx.Linear(e, config.num_kv_heads * d, use_bias=config.qkv_bias, **kw)
+        self.o_proj = nnx.Linear(config.num_heads * d, e, use_bias=config.o_bias, **kw)
+
+    def __call__(self, x, positions, inv_freq, layer: int, attend: AttendFn, cache):
+        cfg = self.config
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).reshape(batch, seq, cfg.num_heads, cfg.head_dim)  # [B, T, Hq, D]
+        k = self.k_proj(x).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
+        v = self.v_proj(x).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)  # [B, T, Hkv, D]
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out, cache = attend(layer, q, k, v, cache)  # [B, T, Hq, D]
+        return self.o_proj(out.reshape(batch, seq, -1)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        e, f = config.hidden_size, config.intermediate_size
+        kw = dict(
+            use_bias=config.mlp_bias, dtype=config.jnp_dtype, param_dtype=config.jnp_dtype,
+            rngs=rngs,
+        )
+        self.gate_proj = nnx.Linear(e, f, **kw)
+        self.up_proj = nnx.Linear(e, f, **kw)
+        self.down_proj = nnx.Linear(f, e, **kw)
+
+    def __call__(self, x):  # [B, T, E]
+        return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _rms_norm(config: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(
+        config.hidden_size, epsilon=config.rms_norm_eps, dtype=config.jnp_dtype,
+        param_dtype=config.jnp_dtype, rngs=rngs,
+    )
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.input_layernorm = _rms_norm(config, rngs)
+        self.self_attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = _rms_norm(config, rngs)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, positions, inv_freq, layer, attend, cache):
+        h, cache = self.self_attn(
+            self.input_layernorm(x), positions, inv_freq, layer, attend, cache
+        )
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class Llama(nnx.Module):
+    """``LlamaForCausalLM`` / ``Qwen2ForCausalLM``: tokens in, f32 logits out."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dtype = config.jnp_dtype
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.norm = _rms_norm(config, rngs)
+        # Tied models have no lm_head: logits come from the embedding (`Embed.attend`).
+        self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
+            config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
+            param_dtype=dtype, rngs=rngs,
+        )
+
+    def hidden(
+        self,
+        tokens: jax.Array,  # [B, T] int32
+        positions: jax.Array,  # [B, T] int32
+        cache: Any = None,
+        attend: AttendFn | None = None,
+    ) -> tuple[jax.Array, Any]:  # ([B, T, E] final-normed hidden states, cache)
+        if attend is None:
+            attend = causal_attend(positions)
+        inv_freq = rope_inv_freq(self.config)
+        x = self.embed_tokens(tokens)  # [B, T, E]
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, positions, inv_freq, i, attend, cache)
+        return self.norm(x), cache
+
+    def logits(self, h: jax.Array) -> jax.Array:  # [..., E] -> [..., V] f32
+        if self.lm_head is None:
+            return self.embed_tokens.attend(h).astype(jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)
+
+    def __call__(self, tokens, positions=None, cache=None, attend=None):
+        """Logits ``[B, T, V]`` (f32) and the updated cache. With no ``attend``, a dense causal
+        forward pass over ``tokens`` (positions ``0..T-1`` unless given)."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
+                                         tokens.shape)
+        h, cache = self.hidden(tokens, positions, cache, attend)
+        return self.logits(h), cache
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> Llama:
+    """A randomly initialised model (tests, examples, benchmarks)."""
+    return Llama(config, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(config: ModelConfig) -> Llama:
+    """The model with shape-only parameters: nothing is allocated (checkpoint loading)."""
+    return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))

@@ -1,0 +1,102 @@
+"""``--scenario engine``: a short run of the real serving steps, recorded block by block.
+
+The default model (a tiny random Llama; weights cannot be downloaded here) serves requests
+through the jitted ``prefill`` and ``decode_step``, which drive the allocator inside jit:
+
+* A (13 tokens) and B (9) are prefilled together, then decode;
+* A is forked into A2 (parallel sampling): the next decode step writes both into their shared,
+  partly filled last block, so ``decode_step`` copies it (copy-on-write);
+* B finishes; C arrives with A's first block as a cached prefix and prefills only its own
+  5 new tokens (a prefix hit), then everybody decodes.
+
+Every step is a ``Recorder.capture`` of the ``BlockState`` the step returned, so the pictures
+show exactly what the engine did to each block.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.allocator import CacheConfig, fork, init_state, release, share_prefix
+from paged_jax.viz.log import RunLog
+from paged_jax.viz.recorder import Recorder
+
+POOL = CacheConfig(num_blocks=16, block_size=8, max_seqs=4, max_blocks_per_seq=8)
+
+
+def default_model_config():
+    """The model ``--scenario engine`` runs: a 2-layer Llama with GQA, random weights."""
+    from paged_jax.model import ModelConfig
+
+    return ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+                       num_heads=2, num_kv_heads=1, head_dim=64)
+
+
+def engine_run(seed: int = 0, decode_steps: int = 2) -> RunLog:
+    """Record the run described in the module docstring; ``decode_steps`` per phase."""
+    from flax import nnx
+
+    from paged_jax.engine import decode_step, prefill
+    from paged_jax.kvcache import init_cache
+    from paged_jax.model import init_model
+
+    model = init_model(default_model_config(), seed=seed)
+    graphdef, params = nnx.split(model)
+    kv, state = init_cache(model.config, POOL), init_state(POOL)
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    names: dict[int, str] = {}
+    rec = Recorder("engine")
+    rec.capture(state, names, title="empty pool")
+    last = jnp.zeros((POOL.max_seqs,), jnp.int32)  # each slot's newest token
+
+    def run_prefill(slots, prompts, title):
+        nonlocal kv, state, last
+        width = max(len(p) for p in prompts)
+        tokens = np.zeros((len(slots), width), np.int32)
+        for row, p in enumerate(prompts):
+            tokens[row, : len(p)] = p
+        logits, kv, state, status = prefill(
+            graphdef, params, kv, state, jnp.asarray(tokens), jnp.asarray(slots, jnp.int32),
+            jnp.asarray([len(p) for p in prompts], jnp.int32),
+        )
+        status.raise_if_failed()
+        last = last.at[jnp.asarray(slots)].set(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        rec.capture(state, names, title=title)
+
+    def run_decode(count, title):
+        nonlocal kv, state, last
+        for _ in range(count):
+            logits, kv, state, status = decode_step(graphdef, params, kv, state, last)
+            status.raise_if_failed()
+            last = jnp.where(state.active, jnp.argmax(logits, axis=-1).astype(jnp.int32), last)
+            lens = ", ".join(f"{names[s]} {int(state.seq_lens[s])}" for s in sorted(names))
+            rec.capture(state, names, title=f"{title}: decode_step ({lens} tokens)")
+
+    names.update({0: "A", 1: "B"})
+    run_prefill([0, 1], [rng.integers(0, vocab, 13), rng.integers(0, vocab, 9)],
+                "prefill A (13 tokens) and B (9 tokens)")
+    run_decode(decode_steps, "A and B decode")
+
+    state, status = fork(state, jnp.array([0]), jnp.array([2]))
+    status.raise_if_failed()
+    names[2] = "A2"
+    last = last.at[2].set(last[0])
+    rec.note("fork", request="A2")
+    rec.capture(state, names, title="fork A -> A2: A2 shares all of A's blocks")
+    run_decode(1, "A and A2 write into their shared last block: copy-on-write")
+
+    state, status = release(state, jnp.array([1]))
+    status.raise_if_failed()
+    del names[1]
+    rec.capture(state, names, title="B finishes: its blocks return to the free list")
+
+    state, status = share_prefix(state, jnp.array([0]), jnp.array([1]), jnp.array([1]))
+    status.raise_if_failed()
+    names[1] = "C"
+    rec.note("prefix_hit", request="C")
+    run_prefill([1], [rng.integers(0, vocab, 5)],
+                "C reuses A's first block (prefix hit) and prefills only its 5 new tokens")
+    run_decode(decode_steps, "everybody decodes")
+    return rec.log

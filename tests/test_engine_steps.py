@@ -1,0 +1,320 @@
+"""The jitted steps against our own dense, no-cache forward pass: ragged prefill, prefix
+sharing, copy-on-write after a fork, decode (xla and interpret-mode Pallas), the K-step scan;
+plus the promises: one compilation, buffers donated and updated in place, all-or-nothing."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from paged_jax.allocator import (
+    CacheConfig,
+    Code,
+    admit,
+    allocate_blocks,
+    assert_invariants,
+    fork,
+    init_state,
+    release,
+    share_prefix,
+)
+from paged_jax.engine import decode_step, decode_steps, prefill, steps
+from paged_jax.kvcache import init_cache
+from paged_jax.model import init_model
+from tests.model_helpers import TINY, dense_logits, pad_prompts, run_greedy, scrambled_state
+
+TOL = 1e-4
+CACHE = CacheConfig(num_blocks=40, block_size=8, max_seqs=4, max_blocks_per_seq=8)
+
+
+@pytest.fixture(autouse=True)
+def _exact_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def split_model():
+    return nnx.split(init_model(TINY, seed=3))
+
+
+def prompts_of(lens, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, TINY.vocab_size, n) for n in lens]
+
+
+def check_against_dense(graphdef, params, prompts, prefill_logits, step_logits, tokens):
+    for i, prompt in enumerate(prompts):
+        n = len(prompt)
+        seq = np.concatenate([prompt, tokens[i, :-1]])
+        ref = dense_logits(graphdef, params, seq)
+        np.testing.assert_allclose(prefill_logits[i, :n], ref[:n], atol=TOL, rtol=0)
+        if step_logits is not None:
+            np.testing.assert_allclose(step_logits[:, i], ref[n:], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("impl,num_steps", [("xla", 12), ("pallas", 2)])
+def test_paged_equals_dense_with_permuted_tables_and_poisoned_free_blocks(
+    split_model, impl, num_steps
+):
+    graphdef, params = split_model
+    prompts = prompts_of([5, 17, 9])
+    slots = np.array([3, 0, 2], np.int32)
+    state = scrambled_state(CACHE, seed=1)
+    prefill_logits, step_logits, tokens = run_greedy(
+        graphdef, params, TINY, CACHE, prompts, slots, num_steps, state=state, fill=np.nan,
+        impl=impl, interpret=impl == "pallas",
+    )
+    assert np.isfinite(step_logits).all()
+    check_against_dense(graphdef, params, prompts, prefill_logits, step_logits, tokens)
+
+
+def test_block_tables_really_are_permuted(split_model):
+    graphdef, params = split_model
+    kv, state = init_cache(TINY, CACHE), scrambled_state(CACHE, seed=1)
+    _, kv, state, status = prefill(graphdef, params, kv, state, jnp.zeros((1, 30), jnp.int32),
+                                   jnp.array([0]), jnp.array([30]))
+    table = np.asarray(state.block_tables[0, :4])
+    assert (np.diff(table) != 1).any(), table
+    assert_invariants(state)
+
+
+def test_prefill_with_shared_prefix_computes_only_the_suffix(split_model):
+    graphdef, params = split_model
+    base = prompts_of([20], seed=4)[0]
+    kv, state = init_cache(TINY, CACHE, fill=np.nan), scrambled_state(CACHE, seed=2)
+    _, kv, state, status = prefill(graphdef, params, kv, state, jnp.asarray(base[None]),
+                                   jnp.array([0]), jnp.array([20]))
+    status.raise_if_failed()
+    # Slot 1 shares 2 full blocks (16 tokens); slot 2 shares 3 blocks, the last one partly
+    # filled (20 tokens), so its first write must copy that block first.
+    state, st = share_prefix(state, jnp.array([0, 0]), jnp.array([1, 2]), jnp.array([2, 3]))
+    st.raise_if_failed()
+    shared_last = int(state.block_tables[2, 2])
+    suffixes = prompts_of([6, 4], seed=5)
+    logits, kv, state, status = prefill(
+        graphdef, params, kv, state, jnp.asarray(pad_prompts(suffixes)), jnp.array([1, 2]),
+        jnp.array([6, 4]), all_logits=True,
+    )
+    status.raise_if_failed()
+    assert_invariants(state)
+    assert list(np.asarray(state.seq_lens[:3])) == [20, 22, 24]
+    assert int(state.block_tables[2, 2]) != shared_last  # copied on write
+    assert int(state.block_tables[0, 2]) == shared_last  # the owner keeps the original
+    for i, (cached, suffix) in enumerate([(16, suffixes[0]), (20, suffixes[1])]):
+        ref = dense_logits(graphdef, params, np.concatenate([base[:cached], suffix]))
+        np.testing.assert_allclose(np.asarray(logits[i, : len(suffix)]), ref[cached:],
+                                   atol=TOL, rtol=0)
+    # The owner's blocks are intact: its next token still matches the dense pass.
+    tokens = jnp.zeros(CACHE.max_seqs, jnp.int32).at[0].set(7)
+    logits, kv, state, status = decode_step(graphdef, params, kv, state, tokens)
+    status.raise_if_failed()
+    ref = dense_logits(graphdef, params, np.concatenate([base, [7]]))
+    np.testing.assert_allclose(np.asarray(logits[0]), ref[-1], atol=TOL, rtol=0)
+
+
+def test_decode_after_fork_copies_the_shared_block(split_model):
+    graphdef, params = split_model
+    base = prompts_of([12], seed=6)[0]
+    kv, state = init_cache(TINY, CACHE, fill=np.nan), scrambled_state(CACHE, seed=3)
+    _, kv, state, status = prefill(graphdef, params, kv, state, jnp.asarray(base[None]),
+                                   jnp.array([1]), jnp.array([12]))
+    state, st = fork(state, jnp.array([1]), jnp.array([3]))
+    st.raise_if_failed()
+    tokens = jnp.array([0, 11, 0, 22], jnp.int32)
+    logits, kv, state, status = decode_step(graphdef, params, kv, state, tokens)
+    status.raise_if_failed()
+    assert_invariants(state)
+    assert int(state.block_tables[1, 1]) != int(state.block_tables[3, 1])
+    assert int(state.block_tables[1, 0]) == int(state.block_tables[3, 0])  # still shared
+    for row, tok in [(1, 11), (3, 22)]:
+        ref = dense_logits(graphdef, params, np.concatenate([base, [tok]]))
+        np.testing.assert_allclose(np.asarray(logits[row]), ref[-1], atol=TOL, rtol=0)
+
+
+def test_one_compilation_for_any_mix_of_sequences(split_model):
+    graphdef, params = split_model
+    traced = jax.jit(
+        chex.assert_max_traces(steps._decode_step, n=1),
+        static_argnames=("graphdef", "impl", "interpret"), donate_argnames=("kv", "state"),
+    )
+    kv, state = init_cache(TINY, CACHE), init_state(CACHE)
+    tokens = jnp.zeros(CACHE.max_seqs, jnp.int32)
+    for slot, n in [(0, 3), (2, 30), (3, 8), (1, 1)]:
+        _, kv, state, status = prefill(graphdef, params, kv, state, jnp.zeros((1, 32), jnp.int32),
+                                       jnp.array([slot]), jnp.array([n]))
+        _, kv, state, status = traced(graphdef, params, kv, state, tokens, impl="xla",
+                                      interpret=False)
+        status.raise_if_failed()
+    state, _ = release(state, jnp.array([2, 0]))
+    _, kv, state, status = traced(graphdef, params, kv, state, tokens, impl="xla",
+                                  interpret=False)
+    status.raise_if_failed()
+    assert list(np.asarray(state.seq_lens)) == [0, 3, 0, 11]
+    assert traced._cache_size() == 1
+
+
+def test_steps_donate_and_update_in_place(split_model):
+    graphdef, params = split_model
+    kv, state = init_cache(TINY, CACHE), init_state(CACHE)
+    pointers = (kv.k.unsafe_buffer_pointer(), kv.v.unsafe_buffer_pointer())
+    old_kv, old_state = kv, state
+    _, kv, state, _ = prefill(graphdef, params, kv, state, jnp.ones((2, 5), jnp.int32),
+                              jnp.array([0, 1]), jnp.array([5, 3]))
+    for run in ("decode_step", "decode_steps"):
+        assert old_kv.k.is_deleted() and old_kv.v.is_deleted()
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(old_state))
+        assert (kv.k.unsafe_buffer_pointer(), kv.v.unsafe_buffer_pointer()) == pointers
+        old_kv, old_state = kv, state
+        tokens = jnp.ones(CACHE.max_seqs, jnp.int32)
+        if run == "decode_step":
+            _, kv, state, _ = decode_step(graphdef, params, kv, state, tokens)
+        else:
+            _, _, kv, state, _ = decode_steps(graphdef, params, kv, state, tokens, num_steps=3)
+    assert old_kv.k.is_deleted() and (kv.k.unsafe_buffer_pointer(), kv.v.unsafe_buffer_pointer())\
+        == pointers
+
+
+def snapshot(tree):
+    return jax.tree.map(np.array, tree)
+
+
+def assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_out_of_blocks_changes_nothing(split_model):
+    graphdef, params = split_model
+    kv, state = init_cache(TINY, CACHE), init_state(CACHE)
+    _, kv, state, _ = prefill(graphdef, params, kv, state, jnp.ones((2, 8), jnp.int32),
+                              jnp.array([0, 1]), jnp.array([8, 5]))
+    state, _, st = allocate_blocks(state, int(state.num_free))  # drain the pool
+    st.raise_if_failed()
+    before_kv, before_state = snapshot(kv), snapshot(state)
+    # Slot 0 needs a new block for its 9th token: the whole step is refused.
+    _, kv, state, status = decode_step(graphdef, params, kv, state, jnp.ones(4, jnp.int32))
+    assert not bool(status.applied)
+    assert int(status.code[0]) == Code.OUT_OF_BLOCKS and int(status.code[1]) == Code.NOT_APPLIED
+    assert_same((kv, state), (before_kv, before_state))
+    # A prefill that cannot be served leaves everything as it was, too.
+    _, kv, state, status = prefill(graphdef, params, kv, state, jnp.ones((1, 8), jnp.int32),
+                                   jnp.array([2]), jnp.array([8]))
+    assert not bool(status.applied)
+    assert_same((kv, state), (before_kv, before_state))
+    # The K-step form stops at the failing step: no tokens from there on.
+    toks, _, kv, state, status = decode_steps(graphdef, params, kv, state,
+                                              jnp.ones(4, jnp.int32), num_steps=2)
+    assert (np.asarray(toks) == -1).all() and not bool(status.applied)
+    assert_same((kv, state), (before_kv, before_state))
+
+
+def test_decode_steps_greedy_equals_single_steps_and_sampling_is_keyed(split_model):
+    graphdef, params = split_model
+    prompts = prompts_of([4, 11], seed=8)
+    slots = np.array([1, 2], np.int32)
+    _, _, want = run_greedy(graphdef, params, TINY, CACHE, prompts, slots, 6)
+
+    def run(temperature, key):
+        kv, state = init_cache(TINY, CACHE), init_state(CACHE)
+        logits, kv, state, _ = prefill(graphdef, params, kv, state,
+                                       jnp.asarray(pad_prompts(prompts)), jnp.asarray(slots),
+                                       jnp.array([4, 11]))
+        first = jnp.zeros(4, jnp.int32).at[slots].set(jnp.argmax(logits, -1).astype(jnp.int32))
+        toks, _, kv, state, status = decode_steps(graphdef, params, kv, state, first,
+                                                  jax.random.key(key), temperature, num_steps=6)
+        status.raise_if_failed()
+        assert list(np.asarray(state.seq_lens[slots])) == [4 + 6, 11 + 6]
+        return np.asarray(toks)
+
+    greedy = run(0.0, 0)
+    np.testing.assert_array_equal(greedy[:, slots].T, want[:, 1:])
+    assert (greedy[:, [0, 3]] == -1).all()
+    hot_a, hot_b, hot_c = run(5.0, 1), run(5.0, 1), run(5.0, 2)
+    np.testing.assert_array_equal(hot_a, hot_b)
+    assert (hot_a != hot_c).any()
+    assert ((hot_a[:, slots] >= 0) & (hot_a[:, slots] < TINY.vocab_size)).all()
+
+
+def test_bench_baseline_is_the_same_model_and_main_runs(split_model, capsys):
+    from paged_jax.engine import bench
+
+    graphdef, params = split_model
+    cache = CacheConfig(num_blocks=8, block_size=8, max_seqs=2, max_blocks_per_seq=4)
+    state, st = jax.jit(lambda s: admit(s, jnp.arange(2), 0))(init_state(cache))
+    first = jnp.array([5, 9], jnp.int32)
+    paged, _, _, _, status = decode_steps(graphdef, params, init_cache(TINY, cache), state,
+                                          first, num_steps=8)
+    status.raise_if_failed()
+    shape = (TINY.num_layers, 2, TINY.num_kv_heads, 32, TINY.head_dim)
+    dense = (jnp.zeros(shape), jnp.zeros(shape))
+    contiguous, _, lens = bench.contiguous_steps(graphdef, params, dense, jnp.zeros(2, jnp.int32),
+                                                 first, num_steps=8)
+    np.testing.assert_array_equal(np.asarray(contiguous), np.asarray(paged))
+    assert list(np.asarray(lens)) == [8, 8]
+
+    assert bench.main(["--batch", "1", "--context", "8", "--tokens", "8", "--rounds", "1",
+                       "--layers", "1", "--vocab", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "paged K=1" in out and "geometric mean: K=8 / K=1" in out
+
+
+@pytest.mark.parametrize("max_seqs,form", [(1, "step"), (1, "scan"), (4, "scan")])
+def test_compiled_steps_never_copy_the_kv_buffers(split_model, max_seqs, form):
+    """In place beyond pointer identity: the optimised HLO has no copy of a whole K/V buffer
+    (nor of its per-layer flat view), in the single step or inside the K-step loop."""
+    graphdef, params = split_model
+    cache = CacheConfig(num_blocks=8 * max_seqs, block_size=8, max_seqs=max_seqs,
+                        max_blocks_per_seq=8)
+    kv, state = init_cache(TINY, cache), init_state(cache)
+    tokens = jnp.zeros(max_seqs, jnp.int32)
+    if form == "step":
+        lowered = steps._decode_step_jit.lower(graphdef, params, kv, state, tokens, impl="xla",
+                                               interpret=False)
+    else:
+        lowered = steps._decode_steps_jit.lower(
+            graphdef, params, kv, state, tokens, jax.random.key(0), 0.0, num_steps=4,
+            impl="xla", interpret=False, return_logits=False, sample=False,
+        )
+    hlo = lowered.compile().as_text()
+    full = ",".join(map(str, kv.k.shape))
+    flat = f"{TINY.num_layers},{TINY.num_kv_heads},{cache.num_blocks * cache.block_size},"
+    copies = [line.strip() for line in hlo.splitlines()
+              if " copy(" in line and (f"[{full}]" in line or f"[{flat}" in line)]
+    assert not copies, copies[:3]
+
+
+def test_bfloat16_model_runs_paged_like_its_dense_pass():
+    model = init_model(TINY.replace(dtype="bfloat16"), seed=5)
+    graphdef, params = nnx.split(model)
+    prompts = prompts_of([6, 10], seed=9)
+    prefill_logits, step_logits, tokens = run_greedy(
+        graphdef, params, model.config, CACHE, prompts, np.array([0, 1]), 3, fill=np.nan
+    )
+    assert init_cache(model.config, CACHE).k.dtype == jnp.bfloat16
+    for i, prompt in enumerate(prompts):
+        ref = dense_logits(graphdef, params, np.concatenate([prompt, tokens[i, :-1]]))
+        got = np.concatenate([prefill_logits[i, : len(prompt)], step_logits[:, i]])
+        scale = np.abs(ref).max()
+        # bf16 rounding differs between the paths; a wrong cache would be off by O(scale).
+        np.testing.assert_allclose(got, ref, atol=0.05 * scale, rtol=0)
+
+
+def test_bad_inputs_are_refused(split_model):
+    graphdef, params = split_model
+    kv, state = init_cache(TINY, CACHE), init_state(CACHE)
+    with pytest.raises(ValueError, match=r"\[max_seqs\] = \[4\]"):
+        decode_step(graphdef, params, kv, state, jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match="num_tokens must be a \\[batch\\]"):
+        prefill(graphdef, params, kv, state, jnp.zeros((2, 4), jnp.int32), jnp.array([0, 1]),
+                jnp.array([4]))
+    # More new tokens than the row holds: reported in the status, nothing applied.
+    before = snapshot((kv, state))
+    _, kv, state, status = prefill(graphdef, params, kv, state, jnp.ones((2, 4), jnp.int32),
+                                   jnp.array([0, 1]), jnp.array([4, 5]))
+    assert list(np.asarray(status.code)) == [Code.NOT_APPLIED, Code.BAD_LENGTH]
+    assert_same((kv, state), before)
