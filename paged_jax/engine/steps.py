@@ -20,7 +20,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paged_jax.allocator import BlockState, Code, Status, admit, append, copy_on_write
+from paged_jax.allocator import (
+    BlockState,
+    Code,
+    Status,
+    admit,
+    append,
+    copy_on_write,
+    reserve_steps,
+)
 from paged_jax.allocator import slot_mapping as _slot_mapping
 from paged_jax.allocator.status import finalize
 from paged_jax.kernels import paged_attention
@@ -169,19 +177,23 @@ def _check_decode_tokens(tokens, state: BlockState) -> None:
         )
 
 
-def _decode(model, kv: KVCache, state: BlockState, tokens, mask, impl: str, interpret: bool):
-    """One token for every row in ``mask`` (a [max_seqs] bool); see ``decode_step``."""
+def _claim(kv: KVCache, state: BlockState, mask, grow):
+    """The bookkeeping of a decode step (or of K of them): ``grow(state) -> (state, status)``
+    extends every row in ``mask``; then the row's first write, at its old length, is made
+    private by copy-on-write if it lands in a shared block (every later write lands in a
+    block that ``grow`` just handed out). All-or-nothing: returns ``(kv, state, status)``
+    with the inputs unchanged when ``status.applied`` is false."""
     cfg = state.config
     ids = jnp.where(mask, jnp.arange(cfg.max_seqs, dtype=jnp.int32), -1)  # [S]
-    positions = state.seq_lens  # [S] where the new token goes
-    st, s_append = append(state, mask, 1)
+    positions = state.seq_lens  # [S] where each row's first new token goes
+    st, s_grow = grow(state)
 
     # Copy-on-write is rare (the first write after a fork into a shared, partly filled
     # block), and as many small ops as the rest of the allocator work: skip it when no row
     # writes into a shared block.
     def cow(st, kv):
         st, (src, dst), s_cow = copy_on_write(st, ids, positions)
-        src = jnp.where(s_append.applied & s_cow.applied, src, -1)
+        src = jnp.where(s_grow.applied & s_cow.applied, src, -1)
         return st, copy_blocks(kv, src, dst), s_cow.code, s_cow.requested
 
     def no_cow(st, kv):
@@ -193,23 +205,40 @@ def _decode(model, kv: KVCache, state: BlockState, tokens, mask, impl: str, inte
     st, kv, cow_code, cow_requested = jax.lax.cond(jnp.any(shared), cow, no_cow, st, kv)
     s_cow = Status(code=cow_code, ids=ids, requested=cow_requested, num_free=st.num_free,
                    op="copy_on_write")
-    status = _combine(ids, state, "decode_step", s_append, s_cow)
-    ok = status.applied
-    state = _select(ok, st, state)
+    status = _combine(ids, state, "decode_step", s_grow, s_cow)
+    return kv, _select(status.applied, st, state), status
 
-    slots = jnp.where(ok, _slot_mapping(state, ids, positions), -1)  # [S]
-    context_lens = jnp.where(ok & mask, state.seq_lens, 0)  # [S], includes the new token
+
+def _forward(model, kv: KVCache, block_tables, tokens, positions, live, impl, interpret):
+    """One token per row at ``positions`` (rows not ``live`` write nothing): writes its K/V
+    through ``block_tables`` and attends over ``positions + 1`` tokens."""
+    bs = kv.block_size
+    rows = jnp.arange(tokens.shape[0])
+    col = jnp.clip(positions // bs, 0, block_tables.shape[1] - 1)
+    block = block_tables[rows, col]
+    slots = jnp.where(live & (block >= 0), block * bs + positions % bs, -1)  # [S]
+    context_lens = jnp.where(live, positions + 1, 0)  # [S], includes the new token
 
     def attend(layer, q, k, v, kv):  # q [S, 1, Hq, D]; k, v [S, 1, Hkv, D]
         kv = write(kv, layer, slots, k, v)
         out = paged_attention(
-            q[:, 0], kv.k[layer], kv.v[layer], state.block_tables, context_lens,
+            q[:, 0], kv.k[layer], kv.v[layer], block_tables, context_lens,
             impl=impl, interpret=interpret,
         )  # [S, Hq, D]
         return out[:, None], kv
 
     logits, kv = model(tokens[:, None], positions[:, None], kv, attend)  # [S, 1, V]
-    return logits[:, 0], kv, state, status
+    return logits[:, 0], kv
+
+
+def _decode(model, kv: KVCache, state: BlockState, tokens, mask, impl: str, interpret: bool):
+    """One token for every row in ``mask`` (a [max_seqs] bool); see ``decode_step``."""
+    positions = state.seq_lens
+    kv, state, status = _claim(kv, state, mask, lambda st: append(st, mask, 1))
+    live = mask & status.applied
+    logits, kv = _forward(model, kv, state.block_tables, tokens, positions, live, impl,
+                          interpret)
+    return logits, kv, state, status
 
 
 def _decode_step(graphdef, params, kv, state, tokens, *, impl, interpret):
@@ -248,31 +277,29 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
                   interpret, return_logits, sample):
     model = nnx.merge(graphdef, params)
     temperature = jnp.asarray(temperature, jnp.float32)
+    # All K steps' blocks are claimed once, up front: the scan body does no allocator work.
+    mask = state.active
+    start = state.seq_lens  # [S]
+    kv, state, status = _claim(kv, state, mask, lambda st: reserve_steps(st, mask, num_steps))
+    live = mask & status.applied
+    tables = state.block_tables
 
-    def body(carry, step_key):
-        kv, state, tokens, ok, status = carry
-        mask = state.active & ok  # after a failure no further step does anything
-        logits, kv, state, step_status = _decode(model, kv, state, tokens, mask, impl, interpret)
-        status = _select(ok, step_status, status)  # the last step that ran, failed or not
-        ok = ok & step_status.applied
+    def body(carry, step):
+        kv, tokens = carry
+        t, step_key = step
+        logits, kv = _forward(model, kv, tables, tokens, start + t, live, impl, interpret)
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if sample:  # static: a greedy run draws no random numbers
             scaled = logits / jnp.maximum(temperature, 1e-6)
             nxt = jnp.where(temperature > 0, jax.random.categorical(step_key, scaled), nxt)
             nxt = nxt.astype(jnp.int32)
-        emitted = jnp.where(mask & ok, nxt, -1)  # [S]
-        tokens = jnp.where(mask & ok, nxt, tokens)
+        emitted = jnp.where(live, nxt, -1)  # [S]
+        tokens = jnp.where(live, nxt, tokens)
         out = (emitted, logits) if return_logits else (emitted,)
-        return (kv, state, tokens, ok, status), out
+        return (kv, tokens), out
 
-    cfg = state.config
-    status0 = Status(
-        code=jnp.zeros((cfg.max_seqs,), jnp.int32),
-        ids=jnp.where(state.active, jnp.arange(cfg.max_seqs, dtype=jnp.int32), -1),
-        requested=jnp.int32(0), num_free=state.num_free, op="decode_step",
-    )
-    carry = (kv, state, tokens.astype(jnp.int32), jnp.bool_(True), status0)
-    (kv, state, _, _, status), out = jax.lax.scan(body, carry, jax.random.split(key, num_steps))
+    steps = (jnp.arange(num_steps, dtype=jnp.int32), jax.random.split(key, num_steps))
+    (kv, _), out = jax.lax.scan(body, (kv, tokens.astype(jnp.int32)), steps)
     logits = out[1] if return_logits else None
     return out[0], logits, kv, state, status
 
@@ -301,10 +328,13 @@ def decode_steps(
     """``num_steps`` decode steps in one dispatch (a ``lax.scan``), each step's token fed
     back: greedy (``temperature == 0``) or sampled at ``temperature`` with ``key``.
 
+    The blocks for all ``num_steps`` steps are claimed up front by one ``reserve_steps`` (the
+    same state as ``num_steps`` successive appends), so the scan body runs the model and
+    nothing else. All-or-nothing: if the pool cannot hold every step, no step runs, the cache
+    and state come back unchanged, and ``status`` says why (retry with fewer steps).
+
     Returns ``(tokens [num_steps, max_seqs] int32, logits [num_steps, max_seqs, V] or None,
-    kv, state, status)``. ``tokens`` is -1 for inactive rows, and for every row from the
-    first step that failed (out of blocks) on: that step and the ones after it change nothing,
-    and ``status`` is that step's.
+    kv, state, status)``; ``tokens`` is -1 for inactive rows and when nothing ran.
     """
     _check_decode_tokens(tokens, state)
     if not isinstance(num_steps, int) or num_steps < 1:
