@@ -209,20 +209,18 @@ def _claim(kv: KVCache, state: BlockState, mask, grow):
     return kv, _select(status.applied, st, state), status
 
 
-def _forward(model, kv: KVCache, block_tables, tokens, positions, live, impl, interpret):
+def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, impl, interpret):
     """One token per row at ``positions`` (rows not ``live`` write nothing): writes its K/V
-    through ``block_tables`` and attends over ``positions + 1`` tokens."""
-    bs = kv.block_size
-    rows = jnp.arange(tokens.shape[0])
-    col = jnp.clip(positions // bs, 0, block_tables.shape[1] - 1)
-    block = block_tables[rows, col]
-    slots = jnp.where(live & (block >= 0), block * bs + positions % bs, -1)  # [S]
+    at the row's ``slot_mapping`` and attends over ``positions + 1`` tokens. ``state`` has
+    already claimed the blocks (its lengths may run ahead, as after ``reserve_steps``)."""
+    ids = jnp.where(live, jnp.arange(tokens.shape[0], dtype=jnp.int32), -1)  # [S]
+    slots = _slot_mapping(state, ids, positions)  # [S], -1 for rows that write nothing
     context_lens = jnp.where(live, positions + 1, 0)  # [S], includes the new token
 
     def attend(layer, q, k, v, kv):  # q [S, 1, Hq, D]; k, v [S, 1, Hkv, D]
         kv = write(kv, layer, slots, k, v)
         out = paged_attention(
-            q[:, 0], kv.k[layer], kv.v[layer], block_tables, context_lens,
+            q[:, 0], kv.k[layer], kv.v[layer], state.block_tables, context_lens,
             impl=impl, interpret=interpret,
         )  # [S, Hq, D]
         return out[:, None], kv
@@ -236,8 +234,7 @@ def _decode(model, kv: KVCache, state: BlockState, tokens, mask, impl: str, inte
     positions = state.seq_lens
     kv, state, status = _claim(kv, state, mask, lambda st: append(st, mask, 1))
     live = mask & status.applied
-    logits, kv = _forward(model, kv, state.block_tables, tokens, positions, live, impl,
-                          interpret)
+    logits, kv = _forward(model, kv, state, tokens, positions, live, impl, interpret)
     return logits, kv, state, status
 
 
@@ -282,12 +279,11 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
     start = state.seq_lens  # [S]
     kv, state, status = _claim(kv, state, mask, lambda st: reserve_steps(st, mask, num_steps))
     live = mask & status.applied
-    tables = state.block_tables
 
     def body(carry, step):
         kv, tokens = carry
         t, step_key = step
-        logits, kv = _forward(model, kv, tables, tokens, start + t, live, impl, interpret)
+        logits, kv = _forward(model, kv, state, tokens, start + t, live, impl, interpret)
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if sample:  # static: a greedy run draws no random numbers
             scaled = logits / jnp.maximum(temperature, 1e-6)
