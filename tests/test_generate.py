@@ -7,8 +7,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.cli import main
-from paged_jax.engine.generate import TINY
-from paged_jax.model import init_model
+from paged_jax.model import DEFAULT_MODEL, init_model
 from tests.model_helpers import dense_logits
 
 
@@ -24,7 +23,7 @@ def test_generate_matches_dense_greedy(capsys):
                  for line in out.splitlines() if "->" in line]
     assert len(generated) == len(prompts)
 
-    graphdef, params = nnx.split(init_model(TINY.replace(dtype="float32"), seed=0))
+    graphdef, params = nnx.split(init_model(DEFAULT_MODEL, seed=0))
     for prompt, got in zip(prompts, generated, strict=True):
         seq = list(prompt)
         for _ in range(11):

@@ -23,10 +23,7 @@ from flax import nnx
 from paged_jax.allocator import CacheConfig, init_state
 from paged_jax.engine import decode_steps, prefill
 from paged_jax.kvcache import init_cache, plan_blocks
-from paged_jax.model import ModelConfig, init_model, load_checkpoint
-
-TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2,
-                   num_heads=2, num_kv_heads=1, head_dim=64)
+from paged_jax.model import DEFAULT_MODEL, init_model, load_checkpoint
 
 
 def main(argv=None) -> int:
@@ -43,7 +40,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     model = load_checkpoint(args.checkpoint, args.dtype) if args.checkpoint else init_model(
-        TINY.replace(dtype=args.dtype or "float32"), seed=args.seed
+        DEFAULT_MODEL.replace(dtype=args.dtype or "float32"), seed=args.seed
     )
     cfg = model.config
     graphdef, params = nnx.split(model)

@@ -150,3 +150,9 @@ class ModelConfig:
             dtype=dtype,
             architecture=arch,
         )
+
+
+# The model used when no checkpoint is given (weights cannot be downloaded here): a 2-layer
+# GQA Llama, random weights. ``paged-jax generate`` and ``--scenario engine`` run it.
+DEFAULT_MODEL = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2,
+                            num_heads=2, num_kv_heads=1, head_dim=64)

@@ -1,6 +1,6 @@
 """``--scenario engine``: a short run of the real serving steps, recorded block by block.
 
-The default model (a tiny random Llama; weights cannot be downloaded here) serves requests
+``DEFAULT_MODEL`` (a tiny random Llama; weights cannot be downloaded here) serves requests
 through the jitted ``prefill`` and ``decode_step``, which drive the allocator inside jit:
 
 * A (13 tokens) and B (9) are prefilled together, then decode;
@@ -25,23 +25,15 @@ from paged_jax.viz.recorder import Recorder
 POOL = CacheConfig(num_blocks=16, block_size=8, max_seqs=4, max_blocks_per_seq=8)
 
 
-def default_model_config():
-    """The model ``--scenario engine`` runs: a 2-layer Llama with GQA, random weights."""
-    from paged_jax.model import ModelConfig
-
-    return ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
-                       num_heads=2, num_kv_heads=1, head_dim=64)
-
-
 def engine_run(seed: int = 0, decode_steps: int = 2) -> RunLog:
     """Record the run described in the module docstring; ``decode_steps`` per phase."""
     from flax import nnx
 
     from paged_jax.engine import decode_step, prefill
     from paged_jax.kvcache import init_cache
-    from paged_jax.model import init_model
+    from paged_jax.model import DEFAULT_MODEL, init_model
 
-    model = init_model(default_model_config(), seed=seed)
+    model = init_model(DEFAULT_MODEL, seed=seed)
     graphdef, params = nnx.split(model)
     kv, state = init_cache(model.config, POOL), init_state(POOL)
     rng = np.random.default_rng(seed)
