@@ -2,16 +2,14 @@
 
 from paged_jax.allocator.facade import BlockAllocator, RequestState
 from paged_jax.allocator.invariants import assert_invariants, check_invariants
+from paged_jax.allocator.loose import allocate_blocks, free_blocks, share_blocks
 from paged_jax.allocator.ops import (
     admit,
-    allocate_blocks,
     append,
     copy_on_write,
     fork,
-    free_blocks,
     release,
     reserve_steps,
-    share_blocks,
     share_prefix,
     slot_mapping,
 )

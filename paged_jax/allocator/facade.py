@@ -16,15 +16,15 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from paged_jax.allocator import ops
+from paged_jax.allocator import loose, ops
 from paged_jax.allocator.state import CacheConfig, blocks_of, free_list_order, init_state
 
 _admit = jax.jit(ops.admit)
 _append = jax.jit(ops.append, static_argnames="num_tokens")
 _release = jax.jit(ops.release)
-_allocate = jax.jit(ops.allocate_blocks, static_argnums=1)
-_share = jax.jit(ops.share_blocks)
-_free = jax.jit(ops.free_blocks)
+_allocate = jax.jit(loose.allocate_blocks, static_argnums=1)
+_share = jax.jit(loose.share_blocks)
+_free = jax.jit(loose.free_blocks)
 
 
 class BlockAllocator:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from paged_jax.allocator import ops
+from paged_jax.allocator import loose, ops
 from paged_jax.allocator.state import CacheConfig, blocks_of, init_state
 from paged_jax.viz.recorder import Recorder
 
@@ -23,8 +23,8 @@ _release = jax.jit(ops.release)
 _fork = jax.jit(ops.fork)
 _share_prefix = jax.jit(ops.share_prefix)
 _cow = jax.jit(ops.copy_on_write)
-_share_blocks = jax.jit(ops.share_blocks)
-_free_blocks = jax.jit(ops.free_blocks)
+_share_blocks = jax.jit(loose.share_blocks)
+_free_blocks = jax.jit(loose.free_blocks)
 
 
 class RecordingPool:
