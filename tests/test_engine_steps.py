@@ -318,3 +318,27 @@ def test_bad_inputs_are_refused(split_model):
                                    jnp.array([0, 1]), jnp.array([4, 5]))
     assert list(np.asarray(status.code)) == [Code.NOT_APPLIED, Code.BAD_LENGTH]
     assert_same((kv, state), before)
+
+
+def test_steps_hash_the_graphdef_once_not_per_call(split_model, monkeypatch):
+    """jit hashes static arguments on every call, and hashing a GraphDef walks the whole graph
+    (about 0.3 ms here, more than a small model's decode step): the steps must not redo it."""
+    graphdef, params = split_model
+    calls = []
+    original = type(graphdef).__hash__
+
+    def counting_hash(self):
+        calls.append(1)
+        return original(self)
+
+    monkeypatch.setattr(type(graphdef), "__hash__", counting_hash)
+    steps._KEYS.clear()
+    kv, state = init_cache(TINY, CACHE), init_state(CACHE)
+    _, kv, state, _ = prefill(graphdef, params, kv, state, jnp.ones((1, 5), jnp.int32),
+                              jnp.array([0]), jnp.array([5]))
+    tokens = jnp.zeros(CACHE.max_seqs, jnp.int32)
+    for _ in range(3):
+        _, kv, state, status = decode_step(graphdef, params, kv, state, tokens)
+        status.raise_if_failed()
+    _, _, kv, state, _ = decode_steps(graphdef, params, kv, state, tokens, num_steps=2)
+    assert len(calls) == 1, f"GraphDef hashed {len(calls)} times over 5 step calls"

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from paged_jax.allocator import CacheConfig, admit, init_state
-from paged_jax.engine.steps import decode_step, decode_steps
+from paged_jax.engine.steps import _key, _merge, decode_step, decode_steps
 from paged_jax.kvcache import init_cache
 from paged_jax.model import ModelConfig, init_model
 
@@ -86,7 +86,7 @@ def _contiguous_decode(model, cache, lens, tokens):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_steps"), donate_argnames="cache")
 def contiguous_steps(graphdef, params, cache, lens, tokens, *, num_steps):
-    model = nnx.merge(graphdef, params)
+    model = _merge(graphdef, params)  # graphdef: a _key(...), hashed once, as the paged steps do
 
     def body(carry, _):
         cache, lens, tokens = carry
@@ -129,7 +129,7 @@ def bench_shape(graphdef, params, cfg: ModelConfig, batch, context, args):
         lens = jnp.full((batch,), context, jnp.int32)
         for _ in range(n // k):
             _, dense["cache"], lens = contiguous_steps(
-                graphdef, params, dense["cache"], lens, tokens, num_steps=k
+                _key(graphdef), params, dense["cache"], lens, tokens, num_steps=k
             )
         jax.block_until_ready(dense["cache"][0])
 
