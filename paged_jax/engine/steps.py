@@ -32,6 +32,7 @@ from paged_jax.allocator import (
 from paged_jax.allocator import slot_mapping as _slot_mapping
 from paged_jax.allocator.status import finalize
 from paged_jax.kernels import paged_attention
+from paged_jax.kernels.reference import gather_pages
 from paged_jax.kvcache import KVCache, copy_blocks, write
 from paged_jax.model.llama import masked_attention
 
@@ -92,17 +93,6 @@ def _combine(ids, state: BlockState, op: str, *statuses: Status, code=None) -> S
     return Status(code=code, ids=ids, requested=requested, num_free=state.num_free, op=op)
 
 
-def _gather_pages(
-    pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    tables: jax.Array,  # [B, M] int32, -1 = none
-) -> jax.Array:  # [B, M * block_size, num_kv_heads, head_dim]
-    heads, num_blocks, block_size, head_dim = pages.shape
-    batch, m = tables.shape
-    safe = jnp.where((tables >= 0) & (tables < num_blocks), tables, num_blocks)
-    kv = jnp.take(pages, safe, axis=1, mode="fill", fill_value=0)  # [H, B, M, bs, D]
-    return kv.reshape(heads, batch, m * block_size, head_dim).transpose(1, 2, 0, 3)
-
-
 # --------------------------------------------------------------------------------------------
 # Prefill
 
@@ -146,8 +136,8 @@ def _prefill(graphdef, params, kv: KVCache, state: BlockState, tokens, seq_ids, 
 
     def attend(layer, q, k, v, kv):  # q [B, T, Hq, D]; k, v [B, T, Hkv, D]
         kv = write(kv, layer, slots, k, v)
-        keys = _gather_pages(kv.k[layer], tables)  # [B, S, Hkv, D]
-        values = _gather_pages(kv.v[layer], tables)
+        keys = gather_pages(kv.k[layer], tables).swapaxes(1, 2)  # [B, S, Hkv, D]
+        values = gather_pages(kv.v[layer], tables).swapaxes(1, 2)
         return masked_attention(q, keys, values, mask), kv
 
     model = _merge(graphdef, params)

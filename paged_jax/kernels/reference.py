@@ -16,6 +16,19 @@ import jax.numpy as jnp
 _EXACT = jax.lax.Precision.HIGHEST
 
 
+def gather_pages(
+    pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    tables: jax.Array,  # [batch, max_blocks] int32; -1 or any out-of-range entry = no block
+) -> jax.Array:  # [batch, num_kv_heads, max_blocks * block_size, head_dim]
+    """Each row's blocks, in table order. An entry that names no block is never read: it is
+    sent out of range, which the gather's fill mode turns into zeros."""
+    heads, num_blocks, block_size, head_dim = pages.shape
+    batch, max_blocks = tables.shape
+    safe = jnp.where((tables >= 0) & (tables < num_blocks), tables, num_blocks)
+    kv = jnp.take(pages, safe, axis=1, mode="fill", fill_value=0)  # [H, B, M, bs, D]
+    return kv.reshape(heads, batch, max_blocks * block_size, head_dim).swapaxes(0, 1)
+
+
 @functools.partial(jax.jit, static_argnames=["sm_scale"])
 def paged_attention_xla(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
@@ -41,12 +54,7 @@ def paged_attention_xla(
         & (block_tables >= 0)
         & (block_tables < num_blocks)
     )  # [batch, max_blocks]
-    safe_tables = jnp.where(live_block, block_tables, num_blocks)
-
-    def gather(pages):  # [num_kv_heads, num_blocks, block_size, head_dim]
-        kv = jnp.take(pages, safe_tables, axis=1, mode="fill", fill_value=0)
-        # [num_kv_heads, batch, max_blocks, block_size, head_dim] -> [batch, kv, seq, head_dim]
-        return kv.reshape(num_kv_heads, batch, seq_len, head_dim).swapaxes(0, 1)
+    tables = jnp.where(live_block, block_tables, -1)  # [batch, max_blocks]
 
     token = jnp.arange(seq_len)
     token_live = (token[None, :] < context_lens[:, None]) & jnp.repeat(
@@ -55,8 +63,8 @@ def paged_attention_xla(
     # Slots past the length are zeroed, so whatever they hold (NaN, 1e30) never reaches
     # the output, not even as 0 * NaN.
     live = token_live[:, None, :, None]
-    k = jnp.where(live, gather(k_pages), 0)  # [batch, kv, seq, head_dim]
-    v = jnp.where(live, gather(v_pages), 0)
+    k = jnp.where(live, gather_pages(k_pages, tables), 0)  # [batch, kv, seq, head_dim]
+    v = jnp.where(live, gather_pages(v_pages, tables), 0)
 
     q_grouped = q.reshape(batch, num_kv_heads, group, head_dim)
     logits = jnp.einsum(
