@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.allocator import CacheConfig, init_state
-from paged_jax.engine import decode_step, prefill
+from paged_jax.engine import decode_step, pad_prompts, prefill
 from paged_jax.kvcache import init_cache
 from paged_jax.model import ModelConfig
 
@@ -35,14 +35,6 @@ def dense_logits(graphdef, params, seq) -> np.ndarray:
     padded = np.zeros((1, DENSE_LEN), np.int32)
     padded[0, : len(seq)] = seq
     return np.asarray(_dense(graphdef, params, jnp.asarray(padded)))[0, : len(seq)]
-
-
-def pad_prompts(prompts, width=None) -> np.ndarray:
-    width = width or max(len(p) for p in prompts)
-    out = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        out[i, : len(p)] = p
-    return out
 
 
 def scrambled_state(cache: CacheConfig, seed: int = 0):

@@ -22,10 +22,10 @@ from paged_jax.allocator import (
     release,
     share_prefix,
 )
-from paged_jax.engine import decode_step, decode_steps, prefill, steps
+from paged_jax.engine import decode_step, decode_steps, pad_prompts, prefill, steps
 from paged_jax.kvcache import init_cache
 from paged_jax.model import init_model
-from tests.model_helpers import TINY, dense_logits, pad_prompts, run_greedy, scrambled_state
+from tests.model_helpers import TINY, dense_logits, run_greedy, scrambled_state
 
 TOL = 1e-4
 CACHE = CacheConfig(num_blocks=40, block_size=8, max_seqs=4, max_blocks_per_seq=8)

@@ -15,10 +15,10 @@ import transformers
 from flax import nnx
 
 from paged_jax.allocator import CacheConfig
-from paged_jax.engine import decode_steps, prefill
+from paged_jax.engine import decode_steps, pad_prompts, prefill
 from paged_jax.kvcache import init_cache
 from paged_jax.model import load_checkpoint
-from tests.model_helpers import pad_prompts, run_greedy, scrambled_state
+from tests.model_helpers import run_greedy, scrambled_state
 
 TOL = 1e-4
 NUM_STEPS = 32

@@ -1,5 +1,5 @@
 """The serving steps (prefill, decode) and the decode benchmark."""
 
-from paged_jax.engine.steps import decode_step, decode_steps, prefill
+from paged_jax.engine.steps import decode_step, decode_steps, pad_prompts, prefill
 
-__all__ = ["decode_step", "decode_steps", "prefill"]
+__all__ = ["decode_step", "decode_steps", "pad_prompts", "prefill"]

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.allocator import CacheConfig, init_state
-from paged_jax.engine import decode_steps, prefill
+from paged_jax.engine import decode_steps, pad_prompts, prefill
 from paged_jax.kvcache import init_cache, plan_blocks
 from paged_jax.model import DEFAULT_MODEL, init_model, load_checkpoint
 
@@ -65,10 +65,7 @@ def main(argv=None) -> int:
           f"{plan.bytes_per_block} bytes per block (all layers)")
 
     kv, state = init_cache(cfg, cache), init_state(cache)
-    width = int(lens.max())
-    tokens = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
+    tokens = pad_prompts(prompts)
     slots = jnp.arange(len(prompts), dtype=jnp.int32)
     start = time.perf_counter()
     logits, kv, state, status = prefill(graphdef, params, kv, state, jnp.asarray(tokens), slots,

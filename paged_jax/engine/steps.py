@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from paged_jax.allocator import (
@@ -148,6 +149,16 @@ def _prefill(graphdef, params, kv: KVCache, state: BlockState, tokens, seq_ids, 
         last = jnp.maximum(n - 1, 0)
         logits = model.logits(h[jnp.arange(batch), last])  # [B, V]
     return logits, kv, state, status
+
+
+def pad_prompts(prompts, width: int | None = None) -> np.ndarray:
+    """Ragged prompts as ``prefill``'s ``tokens``: [len(prompts), width] int32, each row
+    left-aligned and zero-padded (``width`` defaults to the longest prompt)."""
+    width = width or max(len(p) for p in prompts)
+    out = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        out[i, : len(p)] = p
+    return out
 
 
 _prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "all_logits"), donate_argnames=DONATE)

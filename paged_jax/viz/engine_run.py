@@ -29,7 +29,7 @@ def engine_run(seed: int = 0, decode_steps: int = 2) -> RunLog:
     """Record the run described in the module docstring; ``decode_steps`` per phase."""
     from flax import nnx
 
-    from paged_jax.engine import decode_step, prefill
+    from paged_jax.engine import decode_step, pad_prompts, prefill
     from paged_jax.kvcache import init_cache
     from paged_jax.model import DEFAULT_MODEL, init_model
 
@@ -45,12 +45,9 @@ def engine_run(seed: int = 0, decode_steps: int = 2) -> RunLog:
 
     def run_prefill(slots, prompts, title):
         nonlocal kv, state, last
-        width = max(len(p) for p in prompts)
-        tokens = np.zeros((len(slots), width), np.int32)
-        for row, p in enumerate(prompts):
-            tokens[row, : len(p)] = p
         logits, kv, state, status = prefill(
-            graphdef, params, kv, state, jnp.asarray(tokens), jnp.asarray(slots, jnp.int32),
+            graphdef, params, kv, state, jnp.asarray(pad_prompts(prompts)),
+            jnp.asarray(slots, jnp.int32),
             jnp.asarray([len(p) for p in prompts], jnp.int32),
         )
         status.raise_if_failed()
