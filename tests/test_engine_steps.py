@@ -4,6 +4,8 @@ plus the promises: one compilation, buffers donated and updated in place, all-or
 
 from __future__ import annotations
 
+import copy
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -23,9 +25,11 @@ from paged_jax.allocator import (
     share_prefix,
 )
 from paged_jax.engine import decode_step, decode_steps, pad_prompts, prefill, steps
-from paged_jax.kvcache import init_cache
+from paged_jax.kvcache import KVCache, init_cache
 from paged_jax.model import init_model
+from tests.allocator_helpers import assert_matches_model
 from tests.model_helpers import TINY, dense_logits, run_greedy, scrambled_state
+from tests.reference_allocator import ModelAllocator
 
 TOL = 1e-4
 CACHE = CacheConfig(num_blocks=40, block_size=8, max_seqs=4, max_blocks_per_seq=8)
@@ -211,6 +215,61 @@ def test_out_of_blocks_changes_nothing(split_model):
                                               jnp.ones(4, jnp.int32), num_steps=2)
     assert (np.asarray(toks) == -1).all() and not bool(status.applied)
     assert_same((kv, state), (before_kv, before_state))
+
+
+@pytest.mark.parametrize("num_steps", [1, 3, 8])
+def test_step_bookkeeping_matches_the_model_allocator(num_steps):
+    """The allocator half of ``decode_step`` (``num_steps == 1``) and ``decode_steps``: its
+    fast path (no new block, no shared write) and its slow path (new blocks, copy-on-write
+    after a fork, out of blocks, a table's end) against the model allocator, which runs the
+    same requests as ``num_steps`` appends and then a copy-on-write of each first write."""
+    cfg = CacheConfig(num_blocks=20, block_size=4, max_seqs=4, max_blocks_per_seq=6)
+    claim = jax.jit(steps._claim, static_argnums=3)
+    rng = np.random.default_rng(num_steps)
+    model = ModelAllocator(cfg.num_blocks, cfg.block_size, cfg.max_seqs, cfg.max_blocks_per_seq)
+    state = init_state(cfg)
+    labels = np.arange(cfg.num_blocks, dtype=np.float32)  # block b holds the value labels[b]
+    kv = KVCache(*(jnp.broadcast_to(jnp.asarray(labels)[None, None, :, None, None],
+                                    (1, 1, cfg.num_blocks, cfg.block_size, 1)),) * 2)
+    seen = {"fast": 0, "slow": 0, "cow": 0, "refused": 0}
+    for _ in range(150):
+        free_slots = [s for s in range(cfg.max_seqs) if s not in model.tables]
+        live = sorted(model.tables)
+        op = rng.choice(["admit", "fork", "release"] + ["step"] * 4)
+        if op == "admit" and free_slots:
+            slot, n = int(rng.choice(free_slots)), int(rng.integers(1, 10))
+            state, st = admit(state, jnp.array([slot]), jnp.array([n]))
+            assert np.asarray(st.code).tolist() == model.admit([slot], [n])
+        elif op == "fork" and free_slots and live:
+            parent, child = int(rng.choice(live)), int(rng.choice(free_slots))
+            state, st = fork(state, jnp.array([parent]), jnp.array([child]))
+            assert np.asarray(st.code).tolist() == model.share([parent], [child])
+        elif op == "release" and live:
+            slot = int(rng.choice(live))
+            state, st = release(state, jnp.array([slot]))
+            assert np.asarray(st.code).tolist() == model.release([slot])
+        elif op == "step":
+            before = copy.deepcopy(model)
+            old_lens = [model.lens[s] for s in live]
+            ok = all(c == 0 for _ in range(num_steps) for c in model.append(live, [1] * len(live)))
+            src = dst = []
+            if ok:
+                codes, src, dst = model.copy_on_write(live, old_lens)
+                ok = all(c == 0 for c in codes)
+            if not ok:
+                model = before
+            grew = ok and (len(before.free) != len(model.free) or any(s >= 0 for s in src))
+            seen["refused" if not ok else "slow" if grew else "fast"] += 1
+            kv, state, status = claim(kv, state, state.active, num_steps)
+            assert bool(status.applied) == ok
+            for s, d in zip(src, dst, strict=True):
+                if s >= 0:
+                    labels[d] = labels[s]
+                    seen["cow"] += 1
+            np.testing.assert_array_equal(np.asarray(kv.k)[0, 0, :, :, 0],
+                                          np.repeat(labels[:, None], cfg.block_size, 1))
+        assert_matches_model(state, model)
+    assert min(seen.values()) > 0, seen
 
 
 def test_decode_steps_greedy_equals_single_steps_and_sampling_is_keyed(split_model):

@@ -82,14 +82,19 @@ def _select(pred, on_true, on_false):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
+def _first_errors(*codes, code=None):
+    """Per entry, the first real error among ``codes`` (``code``, if given, comes first),
+    through ``finalize``: returns ``(code, applied)``."""
+    code = jnp.zeros(codes[0].shape, jnp.int32) if code is None else code
+    for c in codes:
+        err = (c != Code.OK) & (c != Code.NOT_APPLIED)
+        code = jnp.where((code == Code.OK) & err, c, code)
+    return finalize(code)
+
+
 def _combine(ids, state: BlockState, op: str, *statuses: Status, code=None) -> Status:
-    """One status for several allocator ops run as one: the first real error per entry
-    (``code``, if given, holds the step's own checks and comes first)."""
-    code = jnp.zeros(ids.shape, jnp.int32) if code is None else code
-    for s in statuses:
-        err = (s.code != Code.OK) & (s.code != Code.NOT_APPLIED)
-        code = jnp.where((code == Code.OK) & err, s.code, code)
-    code, _ = finalize(code)
+    """One status for several allocator ops run as one."""
+    code, _ = _first_errors(*(s.code for s in statuses), code=code)
     requested = sum(s.requested for s in statuses)
     return Status(code=code, ids=ids, requested=requested, num_free=state.num_free, op=op)
 
@@ -215,36 +220,67 @@ def _check_decode_tokens(tokens, state: BlockState) -> None:
         )
 
 
-def _claim(kv: KVCache, state: BlockState, mask, grow):
-    """The bookkeeping of a decode step (or of K of them): ``grow(state) -> (state, status)``
-    extends every row in ``mask``; then the row's first write, at its old length, is made
-    private by copy-on-write if it lands in a shared block (every later write lands in a
-    block that ``grow`` just handed out). All-or-nothing: returns ``(kv, state, status)``
-    with the inputs unchanged when ``status.applied`` is false."""
-    cfg = state.config
-    ids = jnp.where(mask, jnp.arange(cfg.max_seqs, dtype=jnp.int32), -1)  # [S]
+def _claim(kv: KVCache, state: BlockState, mask, num_steps: int):
+    """The bookkeeping of ``num_steps`` decode steps for every row in ``mask``: the rows grow
+    by ``num_steps`` tokens (``append``, or ``reserve_steps`` for several), and a row's first
+    write, at its old length, is made private by copy-on-write if it lands in a shared block
+    (every later write lands in a block handed out here). All-or-nothing: returns
+    ``(kv, state, status)`` with the inputs unchanged when ``status.applied`` is false.
+
+    Most steps need neither: with 16-token blocks, 15 decode steps in 16 write into a block
+    the row already owns alone. Those take a fast path (``seq_lens += num_steps``) that skips
+    the allocator's prefix sum, gathers and scatters; its result is the one ``append`` gives.
+    """
+    cfg, bs = state.config, state.config.block_size
+    rows = jnp.arange(cfg.max_seqs, dtype=jnp.int32)
+    ids = jnp.where(mask, rows, -1)  # [S]
     positions = state.seq_lens  # [S] where each row's first new token goes
-    st, s_grow = grow(state)
 
-    # Copy-on-write is rare (the first write after a fork into a shared, partly filled
-    # block), and as many small ops as the rest of the allocator work: skip it when no row
-    # writes into a shared block.
-    def cow(st, kv):
-        st, (src, dst), s_cow = copy_on_write(st, ids, positions)
-        src = jnp.where(s_grow.applied & s_cow.applied, src, -1)
-        return st, copy_blocks(kv, src, dst), s_cow.code, s_cow.requested
+    def shared_write(st):  # [S] rows whose first write lands in a block that st shares
+        col = jnp.clip(positions // bs, 0, cfg.max_blocks_per_seq - 1)
+        block = st.block_tables[rows, col]
+        return mask & (block >= 0) & (st.ref_counts[jnp.clip(block, 0, cfg.num_blocks - 1)] > 1)
 
-    def no_cow(st, kv):
-        return st, kv, jnp.zeros_like(ids), jnp.int32(0)
+    def fast(st, kv):
+        st = st.replace(seq_lens=jnp.where(mask, positions + num_steps, positions))
+        return st, kv, jnp.zeros_like(ids), jnp.zeros_like(ids), jnp.int32(0)
 
-    col = jnp.clip(positions // cfg.block_size, 0, cfg.max_blocks_per_seq - 1)
-    block = st.block_tables[jnp.arange(cfg.max_seqs), col]  # [S] the block each row writes
-    shared = mask & (st.ref_counts[jnp.clip(block, 0, cfg.num_blocks - 1)] > 1) & (block >= 0)
-    st, kv, cow_code, cow_requested = jax.lax.cond(jnp.any(shared), cow, no_cow, st, kv)
-    s_cow = Status(code=cow_code, ids=ids, requested=cow_requested, num_free=st.num_free,
-                   op="copy_on_write")
-    status = _combine(ids, state, "decode_step", s_grow, s_cow)
-    return kv, _select(status.applied, st, state), status
+    def slow(st, kv):
+        if num_steps == 1:
+            st, s_grow = append(st, mask, 1)
+        else:
+            st, s_grow = reserve_steps(st, mask, num_steps)
+
+        # Copy-on-write is rare (the first write after a fork into a shared, partly filled
+        # block) and as many small ops as the rest of the allocator work: skipped when no
+        # row needs it.
+        def cow(st, kv):
+            st, (src, dst), s_cow = copy_on_write(st, ids, positions)
+            src = jnp.where(s_grow.applied & s_cow.applied, src, -1)
+            return st, copy_blocks(kv, src, dst), s_cow.code, s_cow.requested
+
+        def no_cow(st, kv):
+            return st, kv, jnp.zeros_like(ids), jnp.int32(0)
+
+        st, kv, cow_code, cow_requested = jax.lax.cond(
+            jnp.any(shared_write(st)), cow, no_cow, st, kv
+        )
+        return st, kv, s_grow.code, cow_code, s_grow.requested + cow_requested
+
+    # A row needs the allocator iff it gets a new block (this includes every error: an
+    # inactive slot is never in `mask`, and a row at its table's end needs a block it cannot
+    # have) or its first write lands in a shared block.
+    new_block = _cdiv(positions + num_steps, bs) > _cdiv(positions, bs)
+    needed = jnp.any(mask & new_block) | jnp.any(shared_write(state))
+    st, kv, grow_code, cow_code, requested = jax.lax.cond(needed, slow, fast, state, kv)
+    code, applied = _first_errors(grow_code, cow_code)
+    status = Status(code=code, ids=ids, requested=requested, num_free=state.num_free,
+                    op="decode_step")
+    return kv, _select(applied, st, state), status
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
 
 
 def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, impl, interpret):
@@ -270,7 +306,7 @@ def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, imp
 def _decode(model, kv: KVCache, state: BlockState, tokens, mask, impl: str, interpret: bool):
     """One token for every row in ``mask`` (a [max_seqs] bool); see ``decode_step``."""
     positions = state.seq_lens
-    kv, state, status = _claim(kv, state, mask, lambda st: append(st, mask, 1))
+    kv, state, status = _claim(kv, state, mask, 1)
     live = mask & status.applied
     logits, kv = _forward(model, kv, state, tokens, positions, live, impl, interpret)
     return logits, kv, state, status
@@ -317,7 +353,7 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
     # All K steps' blocks are claimed once, up front: the scan body does no allocator work.
     mask = state.active
     start = state.seq_lens  # [S]
-    kv, state, status = _claim(kv, state, mask, lambda st: reserve_steps(st, mask, num_steps))
+    kv, state, status = _claim(kv, state, mask, num_steps)
     live = mask & status.applied
 
     def body(carry, step):
