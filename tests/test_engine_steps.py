@@ -278,7 +278,7 @@ def test_decode_steps_greedy_equals_single_steps_and_sampling_is_keyed(split_mod
     slots = np.array([1, 2], np.int32)
     _, _, want = run_greedy(graphdef, params, TINY, CACHE, prompts, slots, 6)
 
-    def run(temperature, key):
+    def run(temperature, key, params=params):
         kv, state = init_cache(TINY, CACHE), init_state(CACHE)
         logits, kv, state, _ = prefill(graphdef, params, kv, state,
                                        jnp.asarray(pad_prompts(prompts)), jnp.asarray(slots),
@@ -292,6 +292,8 @@ def test_decode_steps_greedy_equals_single_steps_and_sampling_is_keyed(split_mod
 
     greedy = run(0.0, 0)
     np.testing.assert_array_equal(greedy[:, slots].T, want[:, 1:])
+    # The steps take the parameters as the nnx.State or as its plain dict (cheaper per call).
+    np.testing.assert_array_equal(run(0.0, 0, nnx.to_pure_dict(params)), greedy)
     assert (greedy[:, [0, 3]] == -1).all()
     hot_a, hot_b, hot_c = run(5.0, 1), run(5.0, 1), run(5.0, 2)
     np.testing.assert_array_equal(hot_a, hot_b)

@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         head_dim=args.head_dim, dtype=args.dtype,
     )
     graphdef, params = nnx.split(init_model(cfg))
+    params = nnx.to_pure_dict(params)  # what a serving loop passes (see engine.steps)
     print(f"paged-jax bench decode: backend {jax.default_backend()}, {jax.devices()[0]}")
     print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
           f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, {cfg.dtype}; "

@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     )
     cfg = model.config
     graphdef, params = nnx.split(model)
+    params = nnx.to_pure_dict(params)  # cheaper for jit to flatten on every dispatch
     rng = np.random.default_rng(args.seed)
     if args.prompt:
         prompts = [np.array([int(t) for t in p.split()], np.int32) for p in args.prompt]
