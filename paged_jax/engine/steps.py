@@ -20,6 +20,8 @@ meaningless.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -358,7 +360,6 @@ def decode_step(
 def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_steps, impl,
                   interpret, return_logits, sample):
     model = _merge(graphdef, params)
-    temperature = jnp.asarray(temperature, jnp.float32)
     # All K steps' blocks are claimed once, up front: the scan body does no allocator work.
     mask = state.active
     start = state.seq_lens  # [S]
@@ -371,18 +372,26 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
         logits, kv = _forward(model, kv, state, tokens, start + t, live, impl, interpret)
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if sample:  # static: a greedy run draws no random numbers
-            scaled = logits / jnp.maximum(temperature, 1e-6)
-            nxt = jnp.where(temperature > 0, jax.random.categorical(step_key, scaled), nxt)
+            temp = jnp.asarray(temperature, jnp.float32)
+            scaled = logits / jnp.maximum(temp, 1e-6)
+            nxt = jnp.where(temp > 0, jax.random.categorical(step_key, scaled), nxt)
             nxt = nxt.astype(jnp.int32)
         emitted = jnp.where(live, nxt, -1)  # [S]
         tokens = jnp.where(live, nxt, tokens)
         out = (emitted, logits) if return_logits else (emitted,)
         return (kv, tokens), out
 
-    steps = (jnp.arange(num_steps, dtype=jnp.int32), jax.random.split(key, num_steps))
+    keys = jax.random.split(key, num_steps) if sample else None
+    steps = (jnp.arange(num_steps, dtype=jnp.int32), keys)
     (kv, _), out = jax.lax.scan(body, (kv, tokens.astype(jnp.int32)), steps)
     logits = out[1] if return_logits else None
     return out[0], logits, kv, state, status
+
+
+@functools.cache
+def _default_key() -> jax.Array:
+    """``jax.random.key(0)``, made once: making it is a dispatch of its own (about 150 us)."""
+    return jax.random.key(0)
 
 
 _decode_steps_jit = jax.jit(
@@ -422,8 +431,10 @@ def decode_steps(
         raise ValueError(f"num_steps must be a positive int. Got {num_steps!r}.")
     # A Python 0 compiles a greedy-only scan; any other value (or an array) can sample.
     sample = not (isinstance(temperature, (int, float)) and temperature == 0)
-    if key is None:
-        key = jax.random.key(0)
+    if not sample:
+        key = temperature = None  # nothing to pass: the greedy scan takes neither
+    elif key is None:
+        key = _default_key()
     return _decode_steps_jit(
         _key(graphdef), params, kv, state, tokens, key, temperature, num_steps=num_steps, impl=impl,
         interpret=interpret, return_logits=return_logits, sample=sample,

@@ -20,13 +20,22 @@ def gather_pages(
     pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
     tables: jax.Array,  # [batch, max_blocks] int32; -1 or any out-of-range entry = no block
 ) -> jax.Array:  # [batch, num_kv_heads, max_blocks * block_size, head_dim]
-    """Each row's blocks, in table order. An entry that names no block is never read: it is
-    sent out of range, which the gather's fill mode turns into zeros."""
+    """Each row's blocks, in table order.
+
+    An entry that names no block (-1, or out of range) is clamped into the pool: its tokens
+    hold some other block's data, and the caller must mask them (both callers do: a dead
+    key's logit becomes -inf, a dead value is zeroed). Clamping, not a gather in ``fill``
+    mode, because the fill adds a select to every element, and the gather copies whole
+    ``block_size * head_dim`` rows straight into the output layout: together about 5x
+    faster on XLA:CPU than a gather of the 4-D pages followed by a transpose.
+    """
     heads, num_blocks, block_size, head_dim = pages.shape
     batch, max_blocks = tables.shape
-    safe = jnp.where((tables >= 0) & (tables < num_blocks), tables, num_blocks)
-    kv = jnp.take(pages, safe, axis=1, mode="fill", fill_value=0)  # [H, B, M, bs, D]
-    return kv.reshape(heads, batch, max_blocks * block_size, head_dim).swapaxes(0, 1)
+    rows = pages.reshape(heads * num_blocks, block_size * head_dim)  # a view: no copy
+    head = jnp.arange(heads, dtype=jnp.int32)[None, :, None] * num_blocks
+    index = head + jnp.clip(tables, 0, num_blocks - 1)[:, None, :]  # [batch, heads, max_blocks]
+    out = rows.at[index].get(mode="clip")  # [batch, heads, max_blocks, block_size * head_dim]
+    return out.reshape(batch, heads, max_blocks * block_size, head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale"])
@@ -45,36 +54,36 @@ def paged_attention_xla(
     group = num_q_heads // num_kv_heads
     seq_len = max_blocks_per_seq * block_size
 
-    # A block is read iff its first token is below the length and its entry is in range; every
-    # other entry (the -1 sentinel included) becomes `num_blocks`, which the gather's fill mode
-    # turns into zeros without reading memory. Tokens of a skipped block count as masked.
+    # A block is live iff its first token is below the length and its entry is in range; every
+    # token of any other block (the -1 sentinel included) is masked, whatever it reads.
     block_pos = jnp.arange(max_blocks_per_seq, dtype=jnp.int32)
     live_block = (
         (block_pos[None, :] * block_size < context_lens[:, None])
         & (block_tables >= 0)
         & (block_tables < num_blocks)
     )  # [batch, max_blocks]
-    tables = jnp.where(live_block, block_tables, -1)  # [batch, max_blocks]
 
     token = jnp.arange(seq_len)
     token_live = (token[None, :] < context_lens[:, None]) & jnp.repeat(
         live_block, block_size, axis=1
     )  # [batch, seq]
-    # Slots past the length are zeroed, so whatever they hold (NaN, 1e30) never reaches
-    # the output, not even as 0 * NaN.
-    live = token_live[:, None, :, None]
-    k = jnp.where(live, gather_pages(k_pages, tables), 0)  # [batch, kv, seq, head_dim]
-    v = jnp.where(live, gather_pages(v_pages, tables), 0)
+    # Keys need no zeroing: a dead slot's logit is replaced by -inf below, whatever the key
+    # holds. Values past the length are zeroed, so whatever they hold (NaN, 1e30) never
+    # reaches the output, not even as 0 * NaN.
+    k = gather_pages(k_pages, block_tables)  # [batch, kv, seq, head_dim]
+    v = jnp.where(token_live[:, None, :, None], gather_pages(v_pages, block_tables), 0)
 
+    # Keys times queries ("bksd,bkgd"), not queries times keys: on XLA:CPU the long axis as
+    # the matmul's M runs about 2.5x faster for decode's few query rows.
     q_grouped = q.reshape(batch, num_kv_heads, group, head_dim)
     logits = jnp.einsum(
-        "bkgd,bksd->bkgs", q_grouped, k, preferred_element_type=jnp.float32, precision=_EXACT
-    ) * jnp.float32(sm_scale)  # [batch, kv, group, seq]
-    logits = jnp.where(token_live[:, None, None, :], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
+        "bksd,bkgd->bksg", k, q_grouped, preferred_element_type=jnp.float32, precision=_EXACT
+    ) * jnp.float32(sm_scale)  # [batch, kv, seq, group]
+    logits = jnp.where(token_live[:, None, :, None], logits, -jnp.inf)
+    m = jnp.max(logits, axis=2, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # context_len == 0: every logit is -inf
     p = jnp.exp(logits - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bkgs,bksd->bkgd", p, v.astype(jnp.float32), precision=_EXACT)
-    o = o / jnp.where(denom > 0, denom, 1.0)  # zeros, not NaN, for empty sequences
+    denom = jnp.sum(p, axis=2)  # [batch, kv, group]
+    o = jnp.einsum("bksg,bksd->bkgd", p, v.astype(jnp.float32), precision=_EXACT)
+    o = o / jnp.where(denom > 0, denom, 1.0)[..., None]  # zeros, not NaN, for empty sequences
     return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
