@@ -73,3 +73,37 @@ def test_lowers_to_triton_custom_call(config):
     assert exported.out_avals[0].shape == (config["batch"], config["num_q_heads"],
                                            config["head_dim"])
     assert exported.out_avals[0].dtype == config["dtype"]
+
+
+def test_decode_step_hands_the_whole_cache_to_the_kernel():
+    """The jitted decode step passes each layer's kernel the whole [layers, ...] K/V cache and
+    the layer index, never a per-layer slice of it (XLA would copy a slice before the custom
+    call: the layer's whole pool, every layer, every step)."""
+    from flax import nnx
+
+    from paged_jax.allocator import CacheConfig, init_state
+    from paged_jax.engine import steps
+    from paged_jax.kvcache import init_cache
+    from paged_jax.model import ModelConfig, init_model
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    graphdef, params = nnx.split(init_model(cfg))
+    cache = CacheConfig(num_blocks=48, block_size=16, max_seqs=4, max_blocks_per_seq=8)
+    shapes = jax.eval_shape(lambda: (init_cache(cfg, cache), init_state(cache)))
+    step = functools.partial(steps._decode_step, steps._key(graphdef), impl="pallas",
+                             interpret=False)
+    text = jax.export.export(
+        jax.jit(step), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t)
+                         for t in TRITON_CALL_TARGETS],
+    )(params, *shapes, jax.ShapeDtypeStruct((4,), jnp.int32)).mlir_module()
+    whole = "tensor<2x2x48x16x64xbf16>"  # [layers, kv heads, blocks, block size, head dim]
+    layer_slice = "tensor<1x2x48x16x64xbf16>"
+    calls = [line for line in text.splitlines()
+             if "custom_call" in line and any(t in line for t in TRITON_CALL_TARGETS)]
+    assert calls, "no Triton custom call in the decode step"
+    for line in calls:
+        operands = line.rsplit(" : (", 1)[1].split(") ->")[0]
+        assert operands.count(whole) == 2, operands  # K and V, whole
+    assert layer_slice not in text

@@ -145,6 +145,20 @@ def check_against_reference(case, out, sm_scale=None):
     assert relative_error(out, ref) < TOLERANCE[q.dtype]
 
 
+def check_layer_of_a_stacked_cache(attend):
+    """``layer=l`` over a [layers, ...] cache gives, bit for bit, what layer l's own pages
+    give; the other layers hold NaN, so reading the wrong one cannot go unnoticed."""
+    case = standard_case(16, 4, 64, jnp.float32, seed=9)
+    want = np.asarray(attend(*inputs(case)))
+    nan = jnp.full_like(case["k_pages"], jnp.nan)
+    for layer in range(3):
+        k, v = ([x if i == layer else nan for i in range(3)]
+                for x in (case["k_pages"], case["v_pages"]))
+        out = attend(case["q"], jnp.stack(k), jnp.stack(v), case["block_tables"],
+                     case["context_lens"], layer=layer)
+        np.testing.assert_array_equal(np.asarray(out), want)
+
+
 # --- the kernel, interpret mode (CPU) and compiled (GPU) ------------------------------------
 
 
@@ -177,6 +191,9 @@ class TestPagedAttention:
     def test_sm_scale(self):
         case = standard_case(16, 1, 64, jnp.float32, seed=2)
         check_against_reference(case, self.pallas(*inputs(case), sm_scale=0.3), 0.3)
+
+    def test_layer_of_a_stacked_cache(self):
+        check_layer_of_a_stacked_cache(self.pallas)
 
     @pytest.mark.parametrize("value", [np.nan, 1e30], ids=["nan", "1e30"])
     def test_unreferenced_memory_is_never_seen(self, value):
@@ -288,6 +305,10 @@ def test_xla_unreferenced_memory_is_never_seen(value):
     np.testing.assert_array_equal(out, clean)
 
 
+def test_xla_layer_of_a_stacked_cache():
+    check_layer_of_a_stacked_cache(functools.partial(paged_attention, impl="xla"))
+
+
 def test_auto_picks_xla_off_gpu_and_works_under_jit():
     case = standard_case(16, 4, 64, jnp.float32, seed=8)
     out = jax.jit(functools.partial(paged_attention, impl="auto"))(*inputs(case))
@@ -329,6 +350,13 @@ BAD_INPUTS = [
     (_with(context_lens=jnp.zeros((3,), jnp.int32)), {}, r"Got \(3,\)"),
     (_with(context_lens=jnp.zeros((2,), jnp.float32)), {},
      "context_lens must be int32. Got float32"),
+    (_with(k_pages=jnp.zeros((2, 4, 10, 16, 64)), v_pages=jnp.zeros((2, 4, 10, 16, 64))), {},
+     r"\(or, with layer=, \[num_layers, ...\] of those\). Got shape \(2, 4, 10, 16, 64\)"),
+    (_good(), {"layer": 0}, r"With layer=, k_pages must be \[num_layers, .* Got shape"),
+    (_with(k_pages=jnp.zeros((2, 4, 10, 16, 64)), v_pages=jnp.zeros((2, 4, 10, 16, 64))),
+     {"layer": 2}, r"layer must be a Python int in \[0, 2\). Got 2."),
+    (_with(k_pages=jnp.zeros((2, 4, 10, 16, 64)), v_pages=jnp.zeros((2, 4, 10, 16, 64))),
+     {"layer": jnp.int32(1)}, r"layer must be a Python int in \[0, 2\). Got Array"),
     (_good(), {"impl": "cuda"}, "Got 'cuda'"),
     (_good(), {"sm_scale": -1.0}, "Got -1.0"),
     (_good(), {"num_splits": 0}, "num_splits must be a positive int. Got 0."),

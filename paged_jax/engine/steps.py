@@ -304,9 +304,11 @@ def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, imp
 
     def attend(layer, q, k, v, kv):  # q [S, 1, Hq, D]; k, v [S, 1, Hkv, D]
         kv = write(kv, layer, slots, k, v)
+        # The whole cache and the layer index, not kv.k[layer]: the kernel reads the layer
+        # in place, where a slice would be copied before the Pallas call.
         out = paged_attention(
-            q[:, 0], kv.k[layer], kv.v[layer], state.block_tables, context_lens,
-            impl=impl, interpret=interpret,
+            q[:, 0], kv.k, kv.v, state.block_tables, context_lens,
+            impl=impl, interpret=interpret, layer=layer,
         )  # [S, Hq, D]
         return out[:, None], kv
 

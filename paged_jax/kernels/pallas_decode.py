@@ -99,25 +99,34 @@ def _paged_attention_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=["sm_scale", "num_splits", "block_k", "num_warps", "num_stages", "interpret"],
+    static_argnames=["sm_scale", "layer", "num_splits", "block_k", "num_warps", "num_stages",
+                     "interpret"],
 )
 def paged_attention_pallas(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim], or with [layers] first
+    v_pages: jax.Array,  # the same shape as k_pages
     block_tables: jax.Array,  # [batch, max_blocks_per_seq] int32, -1 = no block
     context_lens: jax.Array,  # [batch] int32
     *,
     sm_scale: float,
+    layer: int | None = None,
     num_splits: int,
     block_k: int,
     num_warps: int,
     num_stages: int,
     interpret: bool,
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q.dtype
-    """The kernel launch plus the f32 split merge. Expects inputs checked by `paged_attention`."""
+    """The kernel launch plus the f32 split merge. Expects inputs checked by `paged_attention`.
+
+    With ``layer``, the pages carry a leading layer axis and the kernel reads layer ``layer``
+    in place: the whole cache is the custom call's operand, so no per-layer slice (which XLA
+    would copy before the call) is ever made.
+    """
+    if layer is None:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0  # a reshape: no copy
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+    _, num_kv_heads, num_blocks, block_size, _ = k_pages.shape
     max_blocks_per_seq = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     block_h = max(MIN_DOT_ROWS, pl.next_power_of_2(group))
@@ -150,10 +159,12 @@ def paged_attention_pallas(
             pl.BlockSpec((None, padded_blocks), lambda b, h, s: (b, 0)),  # block_tables
             pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
             pl.BlockSpec(
-                (None, num_blocks, block_size, head_dim), lambda b, h, s: (h, 0, 0, 0)
+                (None, None, num_blocks, block_size, head_dim),
+                lambda b, h, s: (layer, h, 0, 0, 0),
             ),  # k_pages
             pl.BlockSpec(
-                (None, num_blocks, block_size, head_dim), lambda b, h, s: (h, 0, 0, 0)
+                (None, None, num_blocks, block_size, head_dim),
+                lambda b, h, s: (layer, h, 0, 0, 0),
             ),  # v_pages
         ],
         out_specs=[
@@ -197,23 +208,41 @@ def _is_power_of_2(n) -> bool:
     return isinstance(n, int) and n > 0 and n & (n - 1) == 0
 
 
-def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, impl, sm_scale) -> None:
+def _check_layer(k_pages, layer) -> None:
+    if layer is None:
+        if k_pages.ndim != 4:
+            raise ValueError(
+                "k_pages must be [num_kv_heads, num_blocks, block_size, head_dim] (or, with "
+                f"layer=, [num_layers, ...] of those). Got shape {k_pages.shape}."
+            )
+        return
+    if k_pages.ndim != 5:
+        raise ValueError(
+            "With layer=, k_pages must be [num_layers, num_kv_heads, num_blocks, block_size, "
+            f"head_dim]. Got shape {k_pages.shape}."
+        )
+    if not isinstance(layer, numbers.Integral) or isinstance(layer, bool) or not (
+        0 <= layer < k_pages.shape[0]
+    ):
+        raise ValueError(
+            f"layer must be a Python int in [0, {k_pages.shape[0]}). Got {layer!r}."
+        )
+
+
+def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, impl, sm_scale,
+                  layer=None) -> None:
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"impl must be 'auto', 'pallas' or 'xla'. Got {impl!r}.")
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim]. Got shape {q.shape}.")
-    if k_pages.ndim != 4:
-        raise ValueError(
-            "k_pages must be [num_kv_heads, num_blocks, block_size, head_dim]. "
-            f"Got shape {k_pages.shape}."
-        )
+    _check_layer(k_pages, layer)
     if k_pages.shape != v_pages.shape:
         raise ValueError(
             f"k_pages and v_pages must have the same shape. Got {k_pages.shape} and "
             f"{v_pages.shape}."
         )
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, head_dim_kv = k_pages.shape
+    num_kv_heads, _, block_size, head_dim_kv = k_pages.shape[-4:]
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16. Got {q.dtype}.")
     if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
@@ -264,7 +293,7 @@ def _resolve_tuning(q, k_pages, block_tables, tuning: dict) -> dict:
     if unknown:
         raise ValueError(f"Unknown tuning options {unknown}. Known: {list(TUNING_KNOBS)}.")
     batch, _, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape[-4:]
     max_tokens = block_tables.shape[1] * block_size
 
     block_k = tuning.get("block_k")
@@ -314,6 +343,7 @@ def paged_attention(
     impl: str = "auto",
     interpret: bool = False,
     sm_scale: float | None = None,
+    layer: int | None = None,
     **tuning: int,
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q.dtype
     """Decode attention of one query token per sequence over a paged KV cache.
@@ -331,6 +361,11 @@ def paged_attention(
         ``"auto"`` (pallas on GPU, xla elsewhere).
       interpret: run the Pallas kernel in interpret mode (CPU-capable, slow).
       sm_scale: softmax scale, ``1 / sqrt(head_dim)`` by default.
+      layer: a Python int. With it, ``k_pages``/``v_pages`` are the whole multi-layer cache,
+        ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]``, and layer ``layer``
+        is attended. The kernel then reads that layer in place; passing ``k_pages[layer]``
+        instead would hand the custom call a slice, which XLA materialises (a copy of the
+        layer's whole pool) before every call.
       **tuning: Pallas-only knobs, each chosen automatically when left out:
         ``num_splits`` (split-K partitions of the sequence; capped at the number of KV steps),
         ``block_k`` (tokens per KV step, a power of 2 >= 16) or equivalently
@@ -340,14 +375,16 @@ def paged_attention(
     Raises:
       ValueError: on unsupported shapes, dtypes or options, before anything is traced.
     """
-    _check_inputs(q, k_pages, v_pages, block_tables, context_lens, impl, sm_scale)
+    _check_inputs(q, k_pages, v_pages, block_tables, context_lens, impl, sm_scale, layer)
     knobs = _resolve_tuning(q, k_pages, block_tables, tuning)
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "xla"
     if impl == "xla":
+        if layer is not None:  # the slice fuses into the xla path's gather: no copy
+            k_pages, v_pages = k_pages[layer], v_pages[layer]
         return paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, sm_scale=scale)
     return paged_attention_pallas(
-        q, k_pages, v_pages, block_tables, context_lens, sm_scale=scale, interpret=interpret,
-        **knobs,
+        q, k_pages, v_pages, block_tables, context_lens, sm_scale=scale, layer=layer,
+        interpret=interpret, **knobs,
     )
