@@ -37,6 +37,7 @@ from paged_jax.allocator import (
     reserve_steps,
 )
 from paged_jax.allocator import slot_mapping as _slot_mapping
+from paged_jax.allocator.ops import _cdiv
 from paged_jax.allocator.status import finalize
 from paged_jax.kernels import paged_attention
 from paged_jax.kernels.reference import gather_pages
@@ -252,9 +253,9 @@ def _claim(kv: KVCache, state: BlockState, mask, num_steps: int):
         block = st.block_tables[rows, col]
         return mask & (block >= 0) & (st.ref_counts[jnp.clip(block, 0, cfg.num_blocks - 1)] > 1)
 
-    def fast(st, kv):
+    def fast(st, kv):  # nothing can fail: no select against the input state is needed
         st = st.replace(seq_lens=jnp.where(mask, positions + num_steps, positions))
-        return st, kv, jnp.zeros_like(ids), jnp.zeros_like(ids), jnp.int32(0)
+        return st, kv, jnp.zeros_like(ids), jnp.int32(0)
 
     def slow(st, kv):
         if num_steps == 1:
@@ -276,22 +277,18 @@ def _claim(kv: KVCache, state: BlockState, mask, num_steps: int):
         st, kv, cow_code, cow_requested = jax.lax.cond(
             jnp.any(shared_write(st)), cow, no_cow, st, kv
         )
-        return st, kv, s_grow.code, cow_code, s_grow.requested + cow_requested
+        code, applied = _first_errors(s_grow.code, cow_code)
+        return _select(applied, st, state), kv, code, s_grow.requested + cow_requested
 
     # A row needs the allocator iff it gets a new block (this includes every error: an
     # inactive slot is never in `mask`, and a row at its table's end needs a block it cannot
     # have) or its first write lands in a shared block.
     new_block = _cdiv(positions + num_steps, bs) > _cdiv(positions, bs)
     needed = jnp.any(mask & new_block) | jnp.any(shared_write(state))
-    st, kv, grow_code, cow_code, requested = jax.lax.cond(needed, slow, fast, state, kv)
-    code, applied = _first_errors(grow_code, cow_code)
+    st, kv, code, requested = jax.lax.cond(needed, slow, fast, state, kv)
     status = Status(code=code, ids=ids, requested=requested, num_free=state.num_free,
                     op="decode_step")
-    return kv, _select(applied, st, state), status
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
+    return kv, st, status
 
 
 def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, impl, interpret):
