@@ -353,9 +353,10 @@ def paged_attention(
       k_pages, v_pages: the cache, ``[num_kv_heads, num_blocks, block_size, head_dim]`` (the
         head-major layout of ``jax.experimental.pallas.ops.gpu.paged_attention``).
       block_tables: int32 ``[batch, max_blocks_per_seq]``; entry ``j`` of row ``b`` is the block
-        that holds tokens ``j * block_size ...`` of sequence ``b``. Pad with -1; entries at or
-        past ``cdiv(context_len, block_size)`` are never read, and a -1 (or any out-of-range)
-        entry is never dereferenced: its tokens count as masked.
+        that holds tokens ``j * block_size ...`` of sequence ``b``. Pad with -1. A -1 (or any
+        out-of-range) entry's tokens count as masked, as do those at or past ``context_len``.
+        The kernel never reads them at all; the xla path gathers whole table rows, clamping
+        such entries into the pool, and masks what it read.
       context_lens: int32 ``[batch]``; 0 gives a zero output.
       impl: ``"pallas"`` (the kernel), ``"xla"`` (gather + masked softmax in ``jnp``) or
         ``"auto"`` (pallas on GPU, xla elsewhere).
