@@ -365,8 +365,8 @@ def paged_attention(
       layer: a Python int. With it, ``k_pages``/``v_pages`` are the whole multi-layer cache,
         ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]``, and layer ``layer``
         is attended. The kernel then reads that layer in place; passing ``k_pages[layer]``
-        instead would hand the custom call a slice, which XLA materialises (a copy of the
-        layer's whole pool) before every call.
+        instead would hand the custom call a slice, which XLA would have to materialise (a
+        copy of the layer's whole pool) before every call.
       **tuning: Pallas-only knobs, each chosen automatically when left out:
         ``num_splits`` (split-K partitions of the sequence; capped at the number of KV steps),
         ``block_k`` (tokens per KV step, a power of 2 >= 16) or equivalently
