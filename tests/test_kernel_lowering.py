@@ -29,7 +29,11 @@ def export_for_cuda(*, dtype, block_size, head_dim, num_q_heads, num_kv_heads, b
         jax.ShapeDtypeStruct((batch, max_blocks_per_seq), jnp.int32),  # block_tables
         jax.ShapeDtypeStruct((batch,), jnp.int32),  # context_lens
     )
-    f = functools.partial(paged_attention, impl="pallas")
+    return export_jit_for_cuda(functools.partial(paged_attention, impl="pallas"), *args)
+
+
+def export_jit_for_cuda(f, *args):
+    """``jax.jit(f)`` exported for CUDA, with the Triton custom calls allowed."""
     return jax.export.export(
         jax.jit(f),
         platforms=["cuda"],
@@ -93,11 +97,9 @@ def test_decode_step_hands_the_whole_cache_to_the_kernel():
     shapes = jax.eval_shape(lambda: (init_cache(cfg, cache), init_state(cache)))
     step = functools.partial(steps._decode_step, steps._key(graphdef), impl="pallas",
                              interpret=False)
-    text = jax.export.export(
-        jax.jit(step), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t)
-                         for t in TRITON_CALL_TARGETS],
-    )(params, *shapes, jax.ShapeDtypeStruct((4,), jnp.int32)).mlir_module()
+    text = export_jit_for_cuda(
+        step, params, *shapes, jax.ShapeDtypeStruct((4,), jnp.int32)
+    ).mlir_module()
     whole = "tensor<2x2x48x16x64xbf16>"  # [layers, kv heads, blocks, block size, head dim]
     layer_slice = "tensor<1x2x48x16x64xbf16>"
     calls = [line for line in text.splitlines()
