@@ -34,7 +34,7 @@ def allocate_blocks(state: BlockState, num_blocks: int) -> tuple[BlockState, jax
     code, apply = finalize(code)
     new, blocks = _take_blocks(state, need, cum, apply, 1)
     blocks = blocks[:, 0]
-    new = new.replace(held=new.held.at[jnp.where(apply, blocks, n)].add(1, mode="drop"))
+    new = new.scatter("held", jnp.where(apply, blocks, n), 1, "add")
     ids = jnp.where(apply, blocks, NULL_BLOCK)
     return new, ids, _status(code, ids, jnp.int32(num_blocks), state, "allocate")
 
@@ -54,10 +54,7 @@ def share_blocks(state: BlockState, block_ids) -> tuple[BlockState, Status]:
     code = first_error(code, state.ref_counts[safe] == 0, Code.BAD_BLOCK)
     code, apply = finalize(code)
     target = jnp.where(apply & in_range, ids, n)
-    new = state.replace(
-        ref_counts=state.ref_counts.at[target].add(1, mode="drop"),
-        held=state.held.at[target].add(1, mode="drop"),
-    )
+    new = state.scatter("ref_counts", target, 1, "add").scatter("held", target, 1, "add")
     return new, _status(code, ids, jnp.int32(0), state, "share")
 
 

@@ -119,12 +119,10 @@ def _take_blocks(state: BlockState, need, cum, apply, max_new: int, rank=None):
     ring = (state.free_head + rank) % n  # [batch, max_new]
     blocks = jnp.where(take, state.free_list[ring], NULL_BLOCK)
     total = jnp.where(apply, cum[-1], 0) if cum.shape[0] else jnp.int32(0)
-    state = state.replace(
-        ref_counts=state.ref_counts.at[jnp.where(take, blocks, n)].set(1, mode="drop"),
-        free_list=state.free_list.at[jnp.where(take, ring, n)].set(NULL_BLOCK, mode="drop"),
-        free_head=(state.free_head + total) % n,
-        num_free=state.num_free - total,
-    )
+    free_head, num_free = (state.free_head + total) % n, state.num_free - total
+    state = state.scatter("ref_counts", jnp.where(take, blocks, n), 1)
+    state = state.scatter("free_list", jnp.where(take, ring, n), NULL_BLOCK)
+    state = state.replace(free_head=free_head, num_free=num_free)
     return state, blocks
 
 
@@ -133,9 +131,7 @@ def _write_tables(state: BlockState, rows, first_col, blocks) -> BlockState:
     m = state.config.max_blocks_per_seq
     cols = first_col[:, None] + jnp.arange(blocks.shape[1], dtype=jnp.int32)[None, :]
     cols = jnp.where(blocks != NULL_BLOCK, cols, m)
-    return state.replace(
-        block_tables=state.block_tables.at[rows[:, None], cols].set(blocks, mode="drop")
-    )
+    return state.scatter("block_tables", (rows[:, None], cols), blocks)
 
 
 def _decref(state: BlockState, blocks, mask, held_too: bool = False) -> BlockState:
@@ -146,32 +142,29 @@ def _decref(state: BlockState, blocks, mask, held_too: bool = False) -> BlockSta
     flat = blocks.reshape(-1)
     live = mask.reshape(-1) & (flat != NULL_BLOCK)
     target = jnp.where(live, flat, n)
-    ref = state.ref_counts.at[target].add(-1, mode="drop")
-    held = state.held.at[target].add(-1, mode="drop") if held_too else state.held
+    tail = state.free_head + state.num_free
+    new = state.scatter("ref_counts", target, -1, "add")
+    if held_too:
+        new = new.scatter("held", target, -1, "add")
+    ref = new.ref_counts
     # As if the references were dropped one at a time in order: a block mentioned several
     # times is appended once, at its last mention, when its count actually reaches zero.
     order = jnp.arange(flat.shape[0], dtype=jnp.int32)
     last = jnp.full((n,), -1, jnp.int32).at[target].max(order, mode="drop")
     safe = jnp.where(live, flat, 0)
     freed = live & (last[safe] == order) & (ref[safe] == 0)
-    tail = state.free_head + state.num_free
     pos = (tail + prefix_sum(freed.astype(jnp.int32), 1) - 1) % n
-    return state.replace(
-        ref_counts=ref,
-        held=held,
-        free_list=state.free_list.at[jnp.where(freed, pos, n)].set(flat, mode="drop"),
-        num_free=state.num_free + jnp.sum(freed, dtype=jnp.int32),
-    )
+    num_free = new.num_free + jnp.sum(freed, dtype=jnp.int32)
+    new = new.scatter("free_list", jnp.where(freed, pos, n), flat)
+    return new.replace(num_free=num_free)
 
 
 def _set_rows(state: BlockState, ids, apply, valid, seq_lens, active, tables=None):
     rows = jnp.where(apply & valid, ids, state.config.max_seqs)
-    new = state.replace(
-        seq_lens=state.seq_lens.at[rows].set(seq_lens, mode="drop"),
-        active=state.active.at[rows].set(active, mode="drop"),
-    )
+    new = state.scatter("seq_lens", rows, seq_lens).scatter("active", rows, active)
     if tables is not None:
-        new = new.replace(block_tables=new.block_tables.at[rows].set(tables, mode="drop"))
+        cols = jnp.arange(state.config.max_blocks_per_seq, dtype=jnp.int32)[None, :]
+        new = new.scatter("block_tables", (rows[:, None], cols), tables)
     return new
 
 
@@ -237,10 +230,9 @@ def _grow(state, ids, valid, code, old_len, active, n, dense, op, rank_fn=None, 
     rows = jnp.where(valid, ids, cfg.max_seqs)
     new = _write_tables(new, rows, have, blocks)
     if dense:
-        seq_lens = jnp.where(apply & valid, new_len, state.seq_lens)
+        new = new.replace(seq_lens=jnp.where(apply & valid, new_len, state.seq_lens))
     else:
-        seq_lens = new.seq_lens.at[jnp.where(apply, rows, cfg.max_seqs)].set(new_len, mode="drop")
-    new = new.replace(seq_lens=seq_lens)
+        new = new.scatter("seq_lens", jnp.where(apply, rows, cfg.max_seqs), new_len)
     return new, _status(code, ids, cum[-1] if cum.shape[0] else jnp.int32(0), state, op)
 
 
@@ -337,11 +329,7 @@ def _share(state: BlockState, src_ids, dst_ids, num_blocks, op: str):
     cols = jnp.arange(cfg.max_blocks_per_seq, dtype=jnp.int32)[None, :]
     shared = jnp.where(cols < k[:, None], state.block_tables[src_safe], NULL_BLOCK)
     inc = (valid & apply)[:, None] & (shared != NULL_BLOCK)
-    new = state.replace(
-        ref_counts=state.ref_counts.at[jnp.where(inc, shared, cfg.num_blocks)].add(
-            1, mode="drop"
-        )
-    )
+    new = state.scatter("ref_counts", jnp.where(inc, shared, cfg.num_blocks), 1, "add")
     new_len = jnp.minimum(k * cfg.block_size, src_len)
     new = _set_rows(new, dst, apply, valid, new_len, True, shared)
     return new, _status(code, dst, jnp.int32(0), state, op)
@@ -406,9 +394,7 @@ def copy_on_write(state: BlockState, seq_ids, positions):
     new, blocks = _take_blocks(state, need, cum, apply, 1)
     new = _write_tables(new, jnp.where(live, ids, cfg.max_seqs), col, blocks)
     copy = copy & apply
-    new = new.replace(
-        ref_counts=new.ref_counts.at[jnp.where(copy, old, cfg.num_blocks)].add(-1, mode="drop")
-    )
+    new = new.scatter("ref_counts", jnp.where(copy, old, cfg.num_blocks), -1, "add")
     src = jnp.where(copy, old, NULL_BLOCK)
     dst = jnp.where(copy, blocks[:, 0], NULL_BLOCK)
     return new, (src, dst), _status(code, ids, jnp.sum(need), state, "copy_on_write")

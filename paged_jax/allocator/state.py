@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+
+from paged_jax.allocator.packed import Packed
 
 NULL_BLOCK = -1
 
@@ -65,25 +65,46 @@ class CacheConfig:
         return self.max_blocks_per_seq * self.block_size
 
 
-@struct.dataclass
-class BlockState:
+class BlockState(Packed):
     """Who owns which physical block. Every field has a fixed shape, so one compiled step
     serves any mix of sequences.
+
+    Fields (read by name; stored back to back in one int32 ``buffer``, see ``packed.py``, so
+    that a jitted step moves one array for the whole state instead of eight):
+
+    * ``ref_counts``: [num_blocks] int32;
+    * ``held``: [num_blocks] int32, references held outside any table (facade, cache);
+    * ``block_tables``: [max_seqs, max_blocks_per_seq] int32, NULL_BLOCK-padded;
+    * ``seq_lens``: [max_seqs] int32, tokens per sequence;
+    * ``active``: [max_seqs] bool;
+    * ``free_list``: [num_blocks] int32 ring buffer, NULL_BLOCK outside the window;
+    * ``free_head``: [] int32, ring index of the next block to hand out;
+    * ``num_free``: [] int32;
+
+    and the static ``config: CacheConfig``. Build one with keywords (``BlockState(ref_counts=
+    ..., config=...)``); ``state.replace(seq_lens=...)`` returns an updated copy.
 
     Invariants (see ``check_invariants``): a block is free (ref 0, exactly once in the free
     list) or in use; ``ref_counts == table references + held``; an active sequence of length
     ``L`` has exactly ``ceil(L / block_size)`` leading non-null table entries.
     """
 
-    ref_counts: jax.Array  # [num_blocks] int32
-    held: jax.Array  # [num_blocks] int32, references held outside any table (facade, cache)
-    block_tables: jax.Array  # [max_seqs, max_blocks_per_seq] int32, NULL_BLOCK-padded
-    seq_lens: jax.Array  # [max_seqs] int32, tokens per sequence
-    active: jax.Array  # [max_seqs] bool
-    free_list: jax.Array  # [num_blocks] int32 ring buffer, NULL_BLOCK outside the window
-    free_head: jax.Array  # [] int32, ring index of the next block to hand out
-    num_free: jax.Array  # [] int32
-    config: CacheConfig = struct.field(pytree_node=False)
+    FIELDS = (
+        ("ref_counts", jnp.int32),
+        ("held", jnp.int32),
+        ("block_tables", jnp.int32),
+        ("seq_lens", jnp.int32),
+        ("active", jnp.bool_),
+        ("free_list", jnp.int32),
+        ("free_head", jnp.int32),
+        ("num_free", jnp.int32),
+    )
+    STATIC = ("config",)
+    __slots__ = ("config",)
+
+    def _shapes(self):
+        n, s, m = self.config.num_blocks, self.config.max_seqs, self.config.max_blocks_per_seq
+        return (n,), (n,), (s, m), (s,), (s,), (n,), (), ()
 
 
 def init_state(config: CacheConfig) -> BlockState:

@@ -16,8 +16,9 @@ import enum
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax.experimental import checkify
+
+from paged_jax.allocator.packed import Packed
 
 
 class Code(enum.IntEnum):
@@ -55,22 +56,27 @@ class OutOfBlocksError(RuntimeError):
         super().__init__(msg + (f" ({detail})" if detail else ""))
 
 
-@struct.dataclass
-class Status:
+class Status(Packed):
     """Outcome of one batched op.
 
-    Attributes:
-      code: [batch] int32 ``Code`` per entry.
-      ids: [batch] int32, the sequence (or block) id each entry referred to.
-      requested: [] int32, blocks the whole batch asked for.
-      num_free: [] int32, free blocks before the op.
+    Fields (packed into one int32 ``buffer`` like ``BlockState``):
+
+    * ``code``: [batch] int32 ``Code`` per entry;
+    * ``ids``: [batch] int32, the sequence (or block) id each entry referred to;
+    * ``requested``: [] int32, blocks the whole batch asked for;
+    * ``num_free``: [] int32, free blocks before the op;
+
+    and the static ``op``, the op's name.
     """
 
-    code: jax.Array  # [batch] int32
-    ids: jax.Array  # [batch] int32
-    requested: jax.Array  # [] int32
-    num_free: jax.Array  # [] int32
-    op: str = struct.field(pytree_node=False, default="op")
+    FIELDS = (("code", jnp.int32), ("ids", jnp.int32), ("requested", jnp.int32),
+              ("num_free", jnp.int32))
+    STATIC = ("op",)
+    __slots__ = ("op",)
+
+    def _shapes(self):
+        batch = (self.buffer.shape[0] - 2) // 2
+        return (batch,), (batch,), (), ()
 
     @property
     def ok(self) -> jax.Array:

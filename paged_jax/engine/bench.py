@@ -2,16 +2,20 @@
 
 ``paged-jax bench decode`` builds a small random Llama (by default 2 layers, hidden 128, 2 query
 heads sharing 1 KV head of 64, vocab 512, f32) and, for every batch x context, times
-``--tokens`` greedy decode tokens per sequence four ways:
+``--tokens`` greedy decode tokens per sequence four ways. Each runs the loop a server runs:
+dispatch, bring the new tokens to the host (to stream them and check stop conditions; a
+paged row that emits -1 sends the loop to the step's ``Status``), feed the last ones back.
+That host round trip is what the K-step form exists to amortise:
 
-* paged K=1: ``decode_step`` once per token (one host round trip per token);
-* paged K=8: ``decode_steps(num_steps=8)``: a ``lax.scan`` of 8 steps per dispatch;
+* paged K=1: ``decode_steps(num_steps=1)``: one dispatch and one round trip per token;
+* paged K=8: ``decode_steps(num_steps=8)``: a ``lax.scan`` of 8 steps per dispatch and round trip;
 * contiguous K=1 / K=8: the same model over a ``[num_layers, batch, kv_heads, max_len, D]``
   cache written at ``position`` and read with the same masked-softmax math as the paged
   ``xla`` path (the baseline lives here, not in the library).
 
 Every round starts from sequences of exactly ``context`` tokens. Printed: tokens per second
-(batch * tokens / fastest round) and the ratios measured in this run.
+(batch * tokens / fastest round) and, per shape, the median over rounds of each round's ratio
+(its two variants timed back to back). The summary line is the geometric mean of those.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from paged_jax.allocator import CacheConfig, admit, init_state
-from paged_jax.engine.steps import _key, _merge, decode_step, decode_steps
+from paged_jax.engine.steps import _key, _merge, decode_steps
 from paged_jax.kvcache import init_cache
 from paged_jax.model import ModelConfig, init_model
 
@@ -38,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, nargs="+", default=[128, 512, 1024])
     p.add_argument("--tokens", type=int, default=64, help="tokens per sequence per round")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds (the fastest counts)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (each runs every variant)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=2)
@@ -106,47 +111,55 @@ def bench_shape(graphdef, params, cfg: ModelConfig, batch, context, args):
     max_blocks = -(-(context + n) // bs)
     cache_cfg = CacheConfig(batch * max_blocks, bs, batch, max_blocks)
     paged = {"kv": init_cache(cfg, cache_cfg)}
-    tokens = jnp.ones((batch,), jnp.int32)
+    tokens = np.ones((batch,), np.int32)
     fresh_state = jax.jit(lambda: admit(init_state(cache_cfg), jnp.arange(batch), context)[0])
 
     def paged_run(k):
-        state = fresh_state()
+        state, nxt = fresh_state(), tokens
         for _ in range(n // k):
-            if k == 1:
-                logits, paged["kv"], state, _ = decode_step(
-                    graphdef, params, paged["kv"], state, tokens, impl=args.impl
-                )
-            else:
-                out, _, paged["kv"], state, _ = decode_steps(
-                    graphdef, params, paged["kv"], state, tokens, num_steps=k, impl=args.impl
-                )
-        jax.block_until_ready(paged["kv"].k)
+            out, _, paged["kv"], state, status = decode_steps(
+                graphdef, params, paged["kv"], state, nxt, num_steps=k, impl=args.impl
+            )
+            out = jax.device_get(out)  # the host round trip
+            if (out < 0).any():  # an active row emitted no token: the step did not run
+                status.raise_if_failed()
+            nxt = out[-1]
 
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_blocks * bs, cfg.head_dim)
     dense = {"cache": (jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))}
 
     def contiguous_run(k):
-        lens = jnp.full((batch,), context, jnp.int32)
+        lens, nxt = jnp.full((batch,), context, jnp.int32), tokens
         for _ in range(n // k):
-            _, dense["cache"], lens = contiguous_steps(
-                _key(graphdef), params, dense["cache"], lens, tokens, num_steps=k
+            out, dense["cache"], lens = contiguous_steps(
+                _key(graphdef), params, dense["cache"], lens, nxt, num_steps=k
             )
-        jax.block_until_ready(dense["cache"][0])
+            nxt = jax.device_get(out)[-1]  # the host round trip
 
     variants = {(name, k): functools.partial(run, k)
                 for name, run in [("paged", paged_run), ("contiguous", contiguous_run)]
                 for k in (1, 8)}
     for run in variants.values():
         run()  # compile and warm up
-    # Rounds interleave the variants, so a burst of load elsewhere hits all of them alike;
-    # the fastest round of each is the least disturbed one.
-    best = dict.fromkeys(variants, float("inf"))
+    # Rounds interleave the variants, so a burst of load elsewhere hits all of them alike.
+    # Tokens/s come from each variant's fastest round (the least disturbed one); a ratio is
+    # the median over rounds of that round's ratio, both halves timed back to back, which
+    # holds still under load that drifts between rounds.
+    seconds = {key: [] for key in variants}
     for _ in range(args.rounds):
         for key, run in variants.items():
             start = time.perf_counter()
             run()
-            best[key] = min(best[key], time.perf_counter() - start)
-    return {key: batch * n / seconds for key, seconds in best.items()}
+            seconds[key].append(time.perf_counter() - start)
+
+    def ratio(a, b):  # how much faster a is than b
+        return statistics.median(tb / ta for ta, tb in zip(seconds[a], seconds[b], strict=True))
+
+    rates = {key: batch * n / min(times) for key, times in seconds.items()}
+    ratios = {"k": ratio(("paged", 8), ("paged", 1)),
+              "p1": ratio(("paged", 1), ("contiguous", 1)),
+              "p8": ratio(("paged", 8), ("contiguous", 8))}
+    return rates, ratios
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,11 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
           f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, {cfg.dtype}; "
           f"block {args.block_size}, impl {args.impl}, {args.tokens} tokens/seq per round, "
-          f"fastest of {args.rounds} interleaved rounds")
+          f"{args.rounds} interleaved rounds")
     header = (f"{'batch':>5} {'ctx':>5} | {'paged K=1':>10} {'paged K=8':>10} "
               f"{'contig K=1':>10} {'contig K=8':>10} | {'K8/K1':>6} {'p/c K=1':>7} "
               f"{'p/c K=8':>7}")
-    print("tokens per second")
+    print("tokens per second (fastest round); ratios: median over rounds of the per-round ratio")
     print(header)
     print("-" * len(header))
     start, ratios = time.perf_counter(), {"k": [], "p1": [], "p8": []}
@@ -179,16 +192,12 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() - start > args.time_budget:
                 print(f"{batch:>5} {context:>5} | skipped (time budget)")
                 continue
-            r = bench_shape(graphdef, params, cfg, batch, context, args)
-            k_ratio = r["paged", 8] / r["paged", 1]
-            p1 = r["paged", 1] / r["contiguous", 1]
-            p8 = r["paged", 8] / r["contiguous", 8]
-            ratios["k"].append(k_ratio)
-            ratios["p1"].append(p1)
-            ratios["p8"].append(p8)
+            r, q = bench_shape(graphdef, params, cfg, batch, context, args)
+            for key, value in q.items():
+                ratios[key].append(value)
             print(f"{batch:>5} {context:>5} | {r['paged', 1]:>10.0f} {r['paged', 8]:>10.0f} "
                   f"{r['contiguous', 1]:>10.0f} {r['contiguous', 8]:>10.0f} | "
-                  f"{k_ratio:>5.2f}x {p1:>6.2f}x {p8:>6.2f}x", flush=True)
+                  f"{q['k']:>5.2f}x {q['p1']:>6.2f}x {q['p8']:>6.2f}x", flush=True)
     if ratios["k"]:
         gm = {key: statistics.geometric_mean(v) for key, v in ratios.items()}
         print(f"geometric mean: K=8 / K=1 (paged) {gm['k']:.2f}x (goal >= 1.5x); paged / "
