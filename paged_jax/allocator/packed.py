@@ -3,8 +3,8 @@
 A jitted call pays for every array that goes in or comes out: on XLA:CPU about 2.5 µs each
 (argument parsing, buffer bookkeeping, one Python object per output). The allocator's state is
 eight arrays and an op's ``Status`` four, so a decode step that took and returned both used to
-move 20 arrays for its bookkeeping alone, against 4 for a contiguous cache's lengths. Packed,
-they are 3.
+move 20 arrays for its bookkeeping alone, against 2 for a contiguous cache's lengths (in and
+out). Packed, they are 3.
 
 A subclass lists its fields; each is still read by name (``state.block_tables``), as a static
 slice of the int32 buffer (a bitcast inside jit, one small dispatch eagerly). ``replace``
@@ -75,22 +75,26 @@ class Packed:
     def _shapes(self) -> tuple[tuple[int, ...], ...]:
         raise NotImplementedError
 
+    def _field(self, name: str) -> tuple[int, tuple[int, ...]]:
+        """``(offset, shape)`` of the field ``name`` in the buffer."""
+        names = [field for field, _ in self.FIELDS]
+        if name not in names:
+            raise TypeError(f"{type(self).__name__} has no field {name!r}; fields: {names}.")
+        index = names.index(name)
+        return _layout(self._shapes())[index][0], self._shapes()[index]
+
     def replace(self, **changes) -> Packed:
         """A copy with the named fields replaced (each must keep its shape)."""
-        names = [name for name, _ in self.FIELDS]
-        layout, shapes, buffer = _layout(self._shapes()), self._shapes(), self.buffer
+        buffer = self.buffer
         for name, value in changes.items():
-            if name not in names:
-                raise TypeError(f"{type(self).__name__} has no field {name!r}; fields: {names}.")
-            index = names.index(name)
+            offset, shape = self._field(name)
             value = jnp.asarray(value)
-            if value.shape != shapes[index]:
+            if value.shape != shape:
                 raise ValueError(
-                    f"{type(self).__name__}.{name} must have shape {shapes[index]}. "
-                    f"Got {value.shape}."
+                    f"{type(self).__name__}.{name} must have shape {shape}. Got {value.shape}."
                 )
             flat = value.astype(jnp.int32).reshape(-1)
-            buffer = lax.dynamic_update_slice_in_dim(buffer, flat, layout[index][0], axis=0)
+            buffer = lax.dynamic_update_slice_in_dim(buffer, flat, offset, axis=0)
         return self._with_buffer(buffer)
 
     def scatter(self, name: str, index, values, op: str = "set") -> Packed:
@@ -101,13 +105,9 @@ class Packed:
         per dimension. An entry with any coordinate out of range is dropped; negative ones too
         (callers send what they skip past the end, never to ``-1``). ``op``: "set" or "add".
         """
-        names = [field for field, _ in self.FIELDS]
-        if name not in names:
-            raise TypeError(f"{type(self).__name__} has no field {name!r}; fields: {names}.")
+        offset, shape = self._field(name)
         if op not in ("set", "add"):
             raise ValueError(f"op must be 'set' or 'add'. Got {op!r}.")
-        field = names.index(name)
-        offset, shape = _layout(self._shapes())[field][0], self._shapes()[field]
         index = index if isinstance(index, tuple) else (index,)
         if len(index) != len(shape):
             raise ValueError(f"{name} has {len(shape)} dimensions; got {len(index)} index arrays.")
