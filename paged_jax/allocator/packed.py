@@ -67,10 +67,7 @@ class Packed:
         buffer = jnp.concatenate([v.astype(jnp.int32).reshape(-1) for v in values])
         object.__setattr__(self, "buffer", buffer)
         for name, value, shape in zip(names, values, self._shapes(), strict=True):
-            if value.shape != shape:
-                raise ValueError(
-                    f"{type(self).__name__}.{name} must have shape {shape}. Got {value.shape}."
-                )
+            self._check_shape(name, value, shape)
 
     def _shapes(self) -> tuple[tuple[int, ...], ...]:
         raise NotImplementedError
@@ -83,16 +80,19 @@ class Packed:
         index = names.index(name)
         return _layout(self._shapes())[index][0], self._shapes()[index]
 
+    def _check_shape(self, name: str, value: jax.Array, shape: tuple[int, ...]) -> None:
+        if value.shape != shape:
+            raise ValueError(
+                f"{type(self).__name__}.{name} must have shape {shape}. Got {value.shape}."
+            )
+
     def replace(self, **changes) -> Packed:
         """A copy with the named fields replaced (each must keep its shape)."""
         buffer = self.buffer
         for name, value in changes.items():
             offset, shape = self._field(name)
             value = jnp.asarray(value)
-            if value.shape != shape:
-                raise ValueError(
-                    f"{type(self).__name__}.{name} must have shape {shape}. Got {value.shape}."
-                )
+            self._check_shape(name, value, shape)
             flat = value.astype(jnp.int32).reshape(-1)
             buffer = lax.dynamic_update_slice_in_dim(buffer, flat, offset, axis=0)
         return self._with_buffer(buffer)
@@ -120,11 +120,7 @@ class Packed:
         return self._with_buffer(getattr(self.buffer.at[target], op)(values, mode="drop"))
 
     def _with_buffer(self, buffer) -> Packed:
-        new = object.__new__(type(self))
-        object.__setattr__(new, "buffer", buffer)
-        for name in self.STATIC:
-            object.__setattr__(new, name, getattr(self, name))
-        return new
+        return self._unflatten(self._flatten()[1], (buffer,))
 
     def _flatten(self):
         return (self.buffer,), tuple(getattr(self, name) for name in self.STATIC)
