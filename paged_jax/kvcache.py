@@ -3,8 +3,9 @@
 Both buffers are ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]``. A block id
 names the same block in every layer, so the allocator's ``BlockState`` addresses all layers
 at once: a "block" of the seed's arithmetic is ``num_layers`` per-layer pages. Writes scatter
-to the ``slot_mapping`` slots (``block * block_size + offset``) of a per-layer flat view; a
-``-1`` slot is sent out of range and dropped, so padding and inactive rows never write.
+to the ``slot_mapping`` slots (``block * block_size + offset``), indexing the buffer as
+``[layer, :, block, offset]``; a ``-1`` slot is sent out of range and dropped, so padding and
+inactive rows never write.
 Under a jitted step that donates the buffers, every update here happens in place.
 """
 
@@ -60,11 +61,14 @@ def write(
         target = jnp.concatenate([target, jnp.full((1,), capacity, target.dtype)])
         k, v = (jnp.concatenate([x.reshape(1, -1), x.reshape(1, -1)]) for x in (k, v))
 
+    # Index the 5-D buffer itself, not a reshaped [layers, heads, slots, D] view: with one KV
+    # head, XLA laid the view's scatter out differently from the buffer (they differ only in
+    # a size-1 axis) and copied the whole cache to convert, every step inside a K-step loop.
+    block, offset = target // block_size, target % block_size  # a dropped slot: block past end
+
     def scatter(buf, new):
-        flat = buf.reshape(num_layers, heads, capacity, head_dim)  # a view: no copy
         new = new.reshape(-1, heads, head_dim).astype(buf.dtype)  # [n, heads, head_dim]
-        flat = flat.at[layer, :, target].set(new, mode="drop")
-        return flat.reshape(buf.shape)
+        return buf.at[layer, :, block, offset].set(new, mode="drop")
 
     return KVCache(k=scatter(kv.k, k), v=scatter(kv.v, v))
 

@@ -235,6 +235,19 @@ class FailureTest(chex.TestCase):
         self.check_failed(new, st, [NOT_APPLIED, OUT_OF_BLOCKS])
 
     @chex.variants(with_jit=True, without_jit=True)
+    def test_reserve_zero_steps_still_checks_ids(self):
+        # Zero steps grow nothing, but the ids are checked as append(ids, 0) checks them (the
+        # stateful test's reference once skipped that; hypothesis found the case).
+        for ids in ([0, -2], [0, 5], [1, 1]):
+            new, st = self.variant(lambda s, i: pj.reserve_steps(s, i, 0))(self.state, arr(ids))
+            codes = self.model.append(ids, [0] * len(ids))
+            assert any(codes)
+            self.check_failed(new, st, codes)
+        new, st = self.variant(lambda s, i: pj.reserve_steps(s, i, 0))(self.state, arr([0, 1]))
+        assert bool(st.applied)
+        assert_same_state(new, self.state)
+
+    @chex.variants(with_jit=True, without_jit=True)
     def test_bad_inputs_are_reported_per_entry(self):
         cases = [
             (pj.admit, ([9, 2], [1, 1]), self.model.admit([9, 2], [1, 1])),

@@ -87,7 +87,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.state, status = reserve_steps(self.state, pad(ids), steps)
         before = (list(self.model.free), list(self.model.refs), dict(self.model.lens),
                   {k: list(v) for k, v in self.model.tables.items()})
-        applied = True
+        # Zero steps still check the ids, as append(ids, 0) does: a bad id fails the op.
+        applied = steps > 0 or all(c == 0 for c in self.model.append(ids, [0] * len(ids)))
         for _ in range(steps):
             if any(c != 0 for c in self.model.append(ids, [1] * len(ids))):
                 applied = False

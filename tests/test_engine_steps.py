@@ -301,6 +301,79 @@ def test_decode_steps_greedy_equals_single_steps_and_sampling_is_keyed(split_mod
     assert ((hot_a[:, slots] >= 0) & (hot_a[:, slots] < TINY.vocab_size)).all()
 
 
+@pytest.mark.parametrize("hoist", [True, False])
+def test_decode_steps_equal_single_steps_through_forks_and_poison(split_model, monkeypatch,
+                                                                  request, hoist):
+    """K steps in one dispatch against K ``decode_step`` calls, with permuted tables, NaN in
+    every unwritten slot and a forked row whose first write lands in a shared, partly filled
+    block (copy-on-write inside the dispatch): the same tokens and state, logits within float
+    noise, and the same cache, NaN where nothing was written. Both forms of the xla path: the
+    context gathered once per dispatch, and per step (forced by a zero ``HOIST_MAX_BYTES``)."""
+    graphdef, params = split_model
+    monkeypatch.setattr(steps, "HOIST_MAX_BYTES", steps.HOIST_MAX_BYTES if hoist else 0)
+    # The form is chosen when the step is traced, and jax caches traces per function, not per
+    # jit object: clear them now, and again after, so no other test reuses a forced form.
+    jax.clear_caches()
+    request.addfinalizer(jax.clear_caches)
+    taken = []
+    real = steps._hoisted
+    monkeypatch.setattr(steps, "_hoisted", lambda *a: taken.append(1) or real(*a))
+
+    prompts = prompts_of([5, 11], seed=12)
+    kv, state = init_cache(TINY, CACHE, fill=np.nan), scrambled_state(CACHE, seed=5)
+    logits, kv, state, status = prefill(graphdef, params, kv, state,
+                                        jnp.asarray(pad_prompts(prompts)), jnp.array([0, 1]),
+                                        jnp.array([5, 11]))
+    status.raise_if_failed()
+    state, status = fork(state, jnp.array([1]), jnp.array([3]))  # shares 11 tokens: 8 + 3
+    status.raise_if_failed()
+    first = np.argmax(np.asarray(logits), -1).astype(np.int32)
+    tokens = np.array([first[0], first[1], 0, (first[1] + 1) % TINY.vocab_size], np.int32)
+    rows, num_steps = [0, 1, 3], 5
+
+    ref_kv, ref_state = jax.tree.map(jnp.copy, (kv, state))
+    ref_tokens, ref_logits, feed = [], [], jnp.asarray(tokens)
+    for _ in range(num_steps):
+        step_logits, ref_kv, ref_state, status = decode_step(graphdef, params, ref_kv, ref_state,
+                                                             feed)
+        status.raise_if_failed()
+        feed = jnp.argmax(step_logits, -1).astype(jnp.int32)
+        ref_logits.append(np.asarray(step_logits)[rows])
+        ref_tokens.append(np.asarray(feed)[rows])
+
+    toks, got_logits, kv, state, status = decode_steps(
+        graphdef, params, kv, state, jnp.asarray(tokens), num_steps=num_steps,
+        return_logits=True,
+    )
+    status.raise_if_failed()
+    assert len(taken) == int(hoist)
+    np.testing.assert_array_equal(np.asarray(toks)[:, rows], np.stack(ref_tokens))
+    assert (np.asarray(toks)[:, 2] == -1).all()
+    np.testing.assert_allclose(np.asarray(got_logits)[:, rows], np.stack(ref_logits),
+                               atol=1e-5, rtol=0)
+    # The dispatch claims all its blocks before the copy-on-write, single steps claim them
+    # step by step: the same tables up to the names of the blocks, and the same contents.
+    got_tables, want_tables = np.asarray(state.block_tables), np.asarray(ref_state.block_tables)
+    rename = {}
+    for g, w in zip(got_tables.ravel(), want_tables.ravel(), strict=True):
+        assert (g < 0) == (w < 0) and rename.setdefault(g, w) == w
+    assert len(set(rename.values())) == len(rename)  # a bijection
+    np.testing.assert_array_equal(np.asarray(state.seq_lens), np.asarray(ref_state.seq_lens))
+    assert int(state.num_free) == int(ref_state.num_free)
+    refs, want_refs = np.asarray(state.ref_counts), np.asarray(ref_state.ref_counts)
+    assert all(refs[g] == want_refs[w] for g, w in rename.items() if g >= 0)
+    for row in rows:
+        n = int(state.seq_lens[row])
+        for got, want in ((kv.k, ref_kv.k), (kv.v, ref_kv.v)):
+            got_row, want_row = (  # [layers, heads, blocks, block_size, D] -> first n tokens
+                np.asarray(x)[:, :, t[row, : -(-n // CACHE.block_size)]]
+                .reshape(TINY.num_layers, TINY.num_kv_heads, -1, TINY.head_dim)[:, :, :n]
+                for x, t in ((got, got_tables), (want, want_tables))
+            )
+            assert np.isfinite(got_row).all()
+            np.testing.assert_allclose(got_row, want_row, atol=1e-5, rtol=0)
+
+
 def test_bench_baseline_is_the_same_model_and_main_runs(split_model, capsys):
     from paged_jax.engine import bench
 
@@ -324,14 +397,24 @@ def test_bench_baseline_is_the_same_model_and_main_runs(split_model, capsys):
     assert "paged K=1" in out and "geometric mean: K=8 / K=1" in out
 
 
-@pytest.mark.parametrize("max_seqs,form", [(1, "step"), (1, "scan"), (4, "scan")])
-def test_compiled_steps_never_copy_the_kv_buffers(split_model, max_seqs, form):
+@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("max_seqs,form", [(1, "step"), (1, "scan"), (4, "scan"),
+                                           (4, "scan per step")])
+def test_compiled_steps_never_copy_the_kv_buffers(monkeypatch, request, kv_heads, max_seqs,
+                                                  form):
     """In place beyond pointer identity: the optimised HLO has no copy of a whole K/V buffer
-    (nor of its per-layer flat view), in the single step or inside the K-step loop."""
-    graphdef, params = split_model
+    (nor of its per-layer flat view), in the single step or inside the K-step loop (context
+    gathered once per dispatch, or per step). With one KV head (MQA) the buffer has a size-1
+    axis, which XLA once laid out differently inside the loop, copying the cache every step."""
+    config = TINY.replace(num_kv_heads=kv_heads)
+    graphdef, params = nnx.split(init_model(config, seed=3))
+    if form == "scan per step":
+        monkeypatch.setattr(steps, "HOIST_MAX_BYTES", 0)
+        jax.clear_caches()  # the form is chosen at trace time; traces are cached per function
+        request.addfinalizer(jax.clear_caches)
     cache = CacheConfig(num_blocks=8 * max_seqs, block_size=8, max_seqs=max_seqs,
                         max_blocks_per_seq=8)
-    kv, state = init_cache(TINY, cache), init_state(cache)
+    kv, state = init_cache(config, cache), init_state(cache)
     tokens = jnp.zeros(max_seqs, jnp.int32)
     if form == "step":
         lowered = steps._decode_step_jit.lower(graphdef, params, kv, state, tokens, impl="xla",
@@ -343,7 +426,7 @@ def test_compiled_steps_never_copy_the_kv_buffers(split_model, max_seqs, form):
         )
     hlo = lowered.compile().as_text()
     full = ",".join(map(str, kv.k.shape))
-    flat = f"{TINY.num_layers},{TINY.num_kv_heads},{cache.num_blocks * cache.block_size},"
+    flat = f"{config.num_layers},{kv_heads},{cache.num_blocks * cache.block_size},"
     copies = [line.strip() for line in hlo.splitlines()
               if " copy(" in line and (f"[{full}]" in line or f"[{flat}" in line)]
     assert not copies, copies[:3]

@@ -45,12 +45,16 @@ class Packed:
 
     FIELDS: ClassVar[tuple[tuple[str, Any], ...]] = ()
     STATIC: ClassVar[tuple[str, ...]] = ()
-    __slots__ = ("buffer",)
+    # The statics live in one tuple, which is the pytree's aux data as it is: flattening and
+    # unflattening (once per jitted call for each state in and out) then do no per-name work.
+    __slots__ = ("buffer", "_static")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         for index, (name, dtype) in enumerate(cls.FIELDS):
             setattr(cls, name, property(functools.partial(_read, index=index, dtype=dtype)))
+        for index, name in enumerate(cls.STATIC):
+            setattr(cls, name, property(functools.partial(_static, index=index)))
         jax.tree_util.register_pytree_node(cls, cls._flatten, cls._unflatten)
 
     def __init__(self, **kwargs):
@@ -61,11 +65,10 @@ class Packed:
                 f"{type(self).__name__} takes exactly the keywords {names + list(self.STATIC)}. "
                 f"Missing or unexpected: {wrong}."
             )
-        for name in self.STATIC:
-            object.__setattr__(self, name, kwargs[name])
+        _SET_STATIC(self, tuple(kwargs[name] for name in self.STATIC))
         values = [jnp.asarray(kwargs[name]) for name in names]
         buffer = jnp.concatenate([v.astype(jnp.int32).reshape(-1) for v in values])
-        object.__setattr__(self, "buffer", buffer)
+        _SET_BUFFER(self, buffer)
         for name, value, shape in zip(names, values, self._shapes(), strict=True):
             self._check_shape(name, value, shape)
 
@@ -120,17 +123,16 @@ class Packed:
         return self._with_buffer(getattr(self.buffer.at[target], op)(values, mode="drop"))
 
     def _with_buffer(self, buffer) -> Packed:
-        return self._unflatten(self._flatten()[1], (buffer,))
+        return self._unflatten(self._static, (buffer,))
 
     def _flatten(self):
-        return (self.buffer,), tuple(getattr(self, name) for name in self.STATIC)
+        return (self.buffer,), self._static
 
     @classmethod
     def _unflatten(cls, static, children):
         new = object.__new__(cls)
-        object.__setattr__(new, "buffer", children[0])
-        for name, value in zip(cls.STATIC, static, strict=True):
-            object.__setattr__(new, name, value)
+        _SET_BUFFER(new, children[0])
+        _SET_STATIC(new, static)
         return new
 
     def __setattr__(self, name, value):
@@ -140,6 +142,14 @@ class Packed:
         static = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.STATIC)
         shapes = dict(zip([n for n, _ in self.FIELDS], self._shapes(), strict=True))
         return f"{type(self).__name__}({static}, fields={shapes})"
+
+
+_SET_BUFFER = Packed.buffer.__set__  # slot setters: __setattr__ is closed (immutable)
+_SET_STATIC = Packed._static.__set__
+
+
+def _static(self: Packed, *, index: int):
+    return self._static[index]
 
 
 def _read(self: Packed, *, index: int, dtype) -> jax.Array:

@@ -100,7 +100,7 @@ class BlockState(Packed):
         ("num_free", jnp.int32),
     )
     STATIC = ("config",)
-    __slots__ = ("config",)
+    __slots__ = ()
 
     def _shapes(self):
         n, s, m = self.config.num_blocks, self.config.max_seqs, self.config.max_blocks_per_seq

@@ -72,7 +72,7 @@ class Status(Packed):
     FIELDS = (("code", jnp.int32), ("ids", jnp.int32), ("requested", jnp.int32),
               ("num_free", jnp.int32))
     STATIC = ("op",)
-    __slots__ = ("op",)
+    __slots__ = ()
 
     def _shapes(self):
         batch = (self.buffer.shape[0] - 2) // 2

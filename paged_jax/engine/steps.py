@@ -21,6 +21,7 @@ meaningless.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,8 @@ from paged_jax.allocator import slot_mapping as _slot_mapping
 from paged_jax.allocator.ops import _cdiv
 from paged_jax.allocator.status import finalize
 from paged_jax.kernels import paged_attention
-from paged_jax.kernels.reference import gather_pages
+from paged_jax.kernels.pallas_decode import resolve_impl
+from paged_jax.kernels.reference import attend_segments, gather_context, gather_pages
 from paged_jax.kvcache import KVCache, copy_blocks, write
 from paged_jax.model.llama import masked_attention
 
@@ -356,6 +358,78 @@ def decode_step(
     )
 
 
+# Above this many bytes of gathered context (keys and values of every layer), the xla K-step
+# path gathers per step instead of once per dispatch: the copy would cost more memory than
+# the gathers it saves are worth.
+HOIST_MAX_BYTES = 256 << 20
+
+
+def _hoisted_bytes(kv: KVCache, state: BlockState) -> int:
+    """Bytes of every row's gathered context, keys and values, all layers."""
+    layers, heads, _, _, head_dim = kv.k.shape
+    cfg = state.config
+    tokens = cfg.max_seqs * cfg.max_blocks_per_seq * cfg.block_size
+    return 2 * layers * heads * tokens * head_dim * kv.k.dtype.itemsize
+
+
+def _per_step(model, kv, state, start, live, impl, interpret):
+    """The K steps as K ``_forward`` calls: each writes its token's K/V, then attends.
+
+    Returns ``(step, carry, finish)`` as ``_hoisted`` does: ``step(carry, tokens, t) ->
+    (logits, carry)``, the first carry (here the cache) and ``finish(carry) -> kv``."""
+
+    def step(kv, tokens, t):
+        return _forward(model, kv, state, tokens, start + t, live, impl, interpret)
+
+    return step, kv, lambda kv: kv
+
+
+def _hoisted(model, kv, state, start, live, num_steps):
+    """The xla path's K steps with each row's context gathered once per dispatch.
+
+    Under the scan the pool changes only at the K new slots, so each layer's context (the
+    ``start`` tokens the rows held before this dispatch) is gathered and masked once, up front.
+    Step ``t`` writes its K/V to the pool as ``_forward`` does, and also keeps them in the
+    carry (``[layers, rows, kv_heads, K, head_dim]``); it attends over the gathered context
+    plus the carried tokens ``0..t``. On XLA:CPU a gather costs more than the attention it
+    feeds, so this makes one gather per layer per dispatch instead of K.
+    """
+    layers, heads, _, _, head_dim = kv.k.shape
+    rows = start.shape[0]
+    ids = jnp.where(live, jnp.arange(rows, dtype=jnp.int32), -1)  # [S]
+    context = [
+        gather_context(kv.k, kv.v, state.block_tables, jnp.where(live, start, 0), layer)
+        for layer in range(layers)
+    ]  # per layer: k, v [rows, heads, T, D], live [rows, T]
+    shape = (layers, rows, heads, num_steps, head_dim)
+    carry = (kv, jnp.zeros(shape, kv.k.dtype), jnp.zeros(shape, kv.v.dtype))
+    sm_scale = 1.0 / math.sqrt(head_dim)  # paged_attention's default, which _forward uses
+
+    def step(carry, tokens, t):
+        positions = start + t
+        slots = _slot_mapping(state, ids, positions)  # [S], -1 for rows that write nothing
+        new_live = (jnp.arange(num_steps)[None, :] <= t) & live[:, None]  # [rows, K]
+
+        def attend(layer, q, k, v, carry):  # q [S, 1, Hq, D]; k, v [S, 1, Hkv, D]
+            kv, new_k, new_v = carry
+            kv = write(kv, layer, slots, k, v)
+            new_k, new_v = (
+                jax.lax.dynamic_update_slice(
+                    buf, x[None, :, 0, :, None].astype(buf.dtype), (layer, 0, 0, t, 0)
+                )
+                for buf, x in ((new_k, k), (new_v, v))
+            )
+            # The new values past step t are still the zeros they started as: finite.
+            segments = [context[layer], (new_k[layer], new_v[layer], new_live)]
+            out = attend_segments(q[:, 0], segments, sm_scale=sm_scale)
+            return out[:, None], (kv, new_k, new_v)
+
+        logits, carry = model(tokens[:, None], positions[:, None], carry, attend)
+        return logits[:, 0], carry
+
+    return step, carry, lambda carry: carry[0]
+
+
 def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_steps, impl,
                   interpret, return_logits, sample):
     model = _merge(graphdef, params)
@@ -364,11 +438,16 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
     start = state.seq_lens  # [S]
     kv, state, status = _claim(kv, state, mask, num_steps)
     live = mask & status.applied
+    if (num_steps > 1 and resolve_impl(impl) == "xla"
+            and _hoisted_bytes(kv, state) <= HOIST_MAX_BYTES):
+        step, carry, finish = _hoisted(model, kv, state, start, live, num_steps)
+    else:
+        step, carry, finish = _per_step(model, kv, state, start, live, impl, interpret)
 
-    def body(carry, step):
-        kv, tokens = carry
-        t, step_key = step
-        logits, kv = _forward(model, kv, state, tokens, start + t, live, impl, interpret)
+    def body(carry, xs):
+        carry, tokens = carry
+        t, step_key = xs
+        logits, carry = step(carry, tokens, t)
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if sample:  # static: a greedy run draws no random numbers
             temp = jnp.asarray(temperature, jnp.float32)
@@ -378,13 +457,13 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
         emitted = jnp.where(live, nxt, -1)  # [S]
         tokens = jnp.where(live, nxt, tokens)
         out = (emitted, logits) if return_logits else (emitted,)
-        return (kv, tokens), out
+        return (carry, tokens), out
 
     keys = jax.random.split(key, num_steps) if sample else None
     steps = (jnp.arange(num_steps, dtype=jnp.int32), keys)
-    (kv, _), out = jax.lax.scan(body, (kv, tokens.astype(jnp.int32)), steps)
+    (carry, _), out = jax.lax.scan(body, (carry, tokens.astype(jnp.int32)), steps)
     logits = out[1] if return_logits else None
-    return out[0], logits, kv, state, status
+    return out[0], logits, finish(carry), state, status
 
 
 @functools.cache
@@ -421,6 +500,14 @@ def decode_steps(
     same state as ``num_steps`` successive appends), so the scan body runs the model and
     nothing else. All-or-nothing: if the pool cannot hold every step, no step runs, the cache
     and state come back unchanged, and ``status`` says why (retry with fewer steps).
+
+    On the xla path (``impl="xla"``, or ``"auto"`` off GPU) with ``num_steps > 1``, each row's
+    context is gathered from its blocks once per dispatch, not once per step; each step
+    attends over it plus the dispatch's new tokens, which it also writes to their slots. That
+    holds the gathered context of every layer at once, ``2 * layers * max_seqs *
+    max_blocks_per_seq * block_size * kv_heads * head_dim`` elements; above
+    ``HOIST_MAX_BYTES`` (256 MiB) the steps gather per step instead. The results are the
+    same either way, up to float summation order.
 
     Returns ``(tokens [num_steps, max_seqs] int32, logits [num_steps, max_seqs, V] or None,
     kv, state, status)``; ``tokens`` is -1 for inactive rows and when nothing ran.

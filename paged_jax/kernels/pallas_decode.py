@@ -333,6 +333,13 @@ def _resolve_tuning(q, k_pages, block_tables, tuning: dict) -> dict:
     return dict(block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
+def resolve_impl(impl: str) -> str:
+    """``"auto"`` is ``"pallas"`` on a GPU backend and ``"xla"`` elsewhere; others as given."""
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return impl
+
+
 def paged_attention(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
@@ -379,8 +386,7 @@ def paged_attention(
     _check_inputs(q, k_pages, v_pages, block_tables, context_lens, impl, sm_scale, layer)
     knobs = _resolve_tuning(q, k_pages, block_tables, tuning)
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    impl = resolve_impl(impl)
     if impl == "xla":
         if layer is not None:  # the slice fuses into the xla path's gather: no copy
             k_pages, v_pages = k_pages[layer], v_pages[layer]
