@@ -398,7 +398,7 @@ def _hoisted(model, kv, state, start, live, num_steps):
     rows = start.shape[0]
     ids = jnp.where(live, jnp.arange(rows, dtype=jnp.int32), -1)  # [S]
     context = [
-        gather_context(kv.k, kv.v, state.block_tables, jnp.where(live, start, 0), layer)
+        gather_context(kv.k[layer], kv.v[layer], state.block_tables, jnp.where(live, start, 0))
         for layer in range(layers)
     ]  # per layer: k, v [rows, heads, T, D], live [rows, T]
     shape = (layers, rows, heads, num_steps, head_dim)
@@ -444,8 +444,8 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
     else:
         step, carry, finish = _per_step(model, kv, state, start, live, impl, interpret)
 
-    def body(carry, xs):
-        carry, tokens = carry
+    def body(loop, xs):
+        carry, tokens = loop
         t, step_key = xs
         logits, carry = step(carry, tokens, t)
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -20,15 +20,10 @@ _EXACT = jax.lax.Precision.HIGHEST
 
 
 def gather_pages(
-    pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim], or [layers, ...]
+    pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
     tables: jax.Array,  # [batch, max_blocks] int32; -1 or any out-of-range entry = no block
-    layer: int | None = None,
 ) -> jax.Array:  # [batch, num_kv_heads, max_blocks * block_size, head_dim]
-    """Each row's blocks, in table order (of layer ``layer`` when ``pages`` has a layer axis).
-
-    With ``layer``, the gather indexes the whole multi-layer buffer, offsetting its rows by
-    the layer, rather than a ``pages[layer]`` slice: XLA then sees one buffer in one layout,
-    and never copies the cache to reconcile a slice's layout with a scatter's.
+    """Each row's blocks, in table order.
 
     An entry that names no block (-1, or out of range) is clamped into the pool: its tokens
     hold some other block's data, and the caller must mask them (both callers do: a dead
@@ -37,32 +32,29 @@ def gather_pages(
     ``block_size * head_dim`` rows straight into the output layout: together about 5x
     faster on XLA:CPU than a gather of the 4-D pages followed by a transpose.
     """
-    heads, num_blocks, block_size, head_dim = pages.shape[-4:]
+    heads, num_blocks, block_size, head_dim = pages.shape
     batch, max_blocks = tables.shape
-    rows = pages.reshape(-1, block_size * head_dim)  # a view: no copy
-    first = 0 if layer is None else layer * heads * num_blocks
-    head = first + jnp.arange(heads, dtype=jnp.int32)[None, :, None] * num_blocks
+    rows = pages.reshape(heads * num_blocks, block_size * head_dim)  # a view: no copy
+    head = jnp.arange(heads, dtype=jnp.int32)[None, :, None] * num_blocks
     index = head + jnp.clip(tables, 0, num_blocks - 1)[:, None, :]  # [batch, heads, max_blocks]
     out = rows.at[index].get(mode="clip")  # [batch, heads, max_blocks, block_size * head_dim]
     return out.reshape(batch, heads, max_blocks * block_size, head_dim)
 
 
 def gather_context(
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim], or [layers, ...]
-    v_pages: jax.Array,  # as k_pages
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
     block_tables: jax.Array,  # [batch, max_blocks_per_seq] int32, -1 = no block
     context_lens: jax.Array,  # [batch] int32
-    layer: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each row's first ``context_lens`` tokens, gathered into table order (see ``gather_pages``
-    for ``layer``).
+    """Each row's first ``context_lens`` tokens, gathered into table order.
 
     Returns ``(k, v, live)``: ``k`` and ``v`` ``[batch, num_kv_heads, max_blocks * block_size,
     head_dim]`` and ``live`` ``[batch, max_blocks * block_size]`` bool. Keys are left as read:
     a dead slot's logit is replaced by -inf, whatever the key holds. Values past the length
     are zeroed, so whatever they hold (NaN, 1e30) never reaches an output, not even as 0 * NaN.
     """
-    num_blocks, block_size = k_pages.shape[-3:-1]
+    num_blocks, block_size = k_pages.shape[1:3]
     max_blocks_per_seq = block_tables.shape[1]
     # A block is live iff its first token is below the length and its entry is in range; every
     # token of any other block (the -1 sentinel included) is masked, whatever it reads.
@@ -76,8 +68,8 @@ def gather_context(
     live = (token[None, :] < context_lens[:, None]) & jnp.repeat(
         live_block, block_size, axis=1
     )  # [batch, seq]
-    k = gather_pages(k_pages, block_tables, layer)  # [batch, kv, seq, head_dim]
-    v = jnp.where(live[:, None, :, None], gather_pages(v_pages, block_tables, layer), 0)
+    k = gather_pages(k_pages, block_tables)  # [batch, kv, seq, head_dim]
+    v = jnp.where(live[:, None, :, None], gather_pages(v_pages, block_tables), 0)
     return k, v, live
 
 
