@@ -307,8 +307,9 @@ def test_decode_steps_equal_single_steps_through_forks_and_poison(split_model, m
     """K steps in one dispatch against K ``decode_step`` calls, with permuted tables, NaN in
     every unwritten slot and a forked row whose first write lands in a shared, partly filled
     block (copy-on-write inside the dispatch): the same tokens and state, logits within float
-    noise, and the same cache, NaN where nothing was written. Both forms of the xla path: the
-    context gathered once per dispatch, and per step (forced by a zero ``HOIST_MAX_BYTES``)."""
+    noise, and the same cache contents; and logits equal to the dense, no-cache pass. Both
+    forms of the xla path: the context gathered once per dispatch, and per step (forced by a
+    zero ``HOIST_MAX_BYTES``)."""
     graphdef, params = split_model
     monkeypatch.setattr(steps, "HOIST_MAX_BYTES", steps.HOIST_MAX_BYTES if hoist else 0)
     # The form is chosen when the step is traced, and jax caches traces per function, not per
@@ -351,6 +352,13 @@ def test_decode_steps_equal_single_steps_through_forks_and_poison(split_model, m
     assert (np.asarray(toks)[:, 2] == -1).all()
     np.testing.assert_allclose(np.asarray(got_logits)[:, rows], np.stack(ref_logits),
                                atol=1e-5, rtol=0)
+    # And against the dense, no-cache pass over each row's whole sequence (row 3 is row 1's
+    # prompt with its own continuation).
+    emitted = np.asarray(toks)
+    for row, prompt in ((0, prompts[0]), (1, prompts[1]), (3, prompts[1])):
+        seq = np.concatenate([prompt, [tokens[row]], emitted[:-1, row]])
+        want = dense_logits(graphdef, params, seq)[len(prompt):]
+        np.testing.assert_allclose(np.asarray(got_logits)[:, row], want, atol=TOL, rtol=0)
     # The dispatch claims all its blocks before the copy-on-write, single steps claim them
     # step by step: the same tables up to the names of the blocks, and the same contents.
     got_tables, want_tables = np.asarray(state.block_tables), np.asarray(ref_state.block_tables)
