@@ -301,6 +301,15 @@ def test_decode_steps_greedy_equals_single_steps_and_sampling_is_keyed(split_mod
     assert ((hot_a[:, slots] >= 0) & (hot_a[:, slots] < TINY.vocab_size)).all()
 
 
+def retrace_steps(monkeypatch, request, hoist_max_bytes: int) -> None:
+    """Set ``steps.HOIST_MAX_BYTES`` for one test (0 forces the per-step K-step form). The form
+    is chosen when the step is traced, and jax caches traces per function, not per jit object:
+    clear them now, and again after, so no other test reuses a forced form."""
+    monkeypatch.setattr(steps, "HOIST_MAX_BYTES", hoist_max_bytes)
+    jax.clear_caches()
+    request.addfinalizer(jax.clear_caches)
+
+
 @pytest.mark.parametrize("hoist", [True, False])
 def test_decode_steps_equal_single_steps_through_forks_and_poison(split_model, monkeypatch,
                                                                   request, hoist):
@@ -311,11 +320,7 @@ def test_decode_steps_equal_single_steps_through_forks_and_poison(split_model, m
     forms of the xla path: the context gathered once per dispatch, and per step (forced by a
     zero ``HOIST_MAX_BYTES``)."""
     graphdef, params = split_model
-    monkeypatch.setattr(steps, "HOIST_MAX_BYTES", steps.HOIST_MAX_BYTES if hoist else 0)
-    # The form is chosen when the step is traced, and jax caches traces per function, not per
-    # jit object: clear them now, and again after, so no other test reuses a forced form.
-    jax.clear_caches()
-    request.addfinalizer(jax.clear_caches)
+    retrace_steps(monkeypatch, request, steps.HOIST_MAX_BYTES if hoist else 0)
     taken = []
     real = steps._hoisted
     monkeypatch.setattr(steps, "_hoisted", lambda *a: taken.append(1) or real(*a))
@@ -417,9 +422,7 @@ def test_compiled_steps_never_copy_the_kv_buffers(monkeypatch, request, kv_heads
     config = TINY.replace(num_kv_heads=kv_heads)
     graphdef, params = nnx.split(init_model(config, seed=3))
     if form == "scan per step":
-        monkeypatch.setattr(steps, "HOIST_MAX_BYTES", 0)
-        jax.clear_caches()  # the form is chosen at trace time; traces are cached per function
-        request.addfinalizer(jax.clear_caches)
+        retrace_steps(monkeypatch, request, 0)
     cache = CacheConfig(num_blocks=8 * max_seqs, block_size=8, max_seqs=max_seqs,
                         max_blocks_per_seq=8)
     kv, state = init_cache(config, cache), init_state(cache)

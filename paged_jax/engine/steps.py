@@ -293,26 +293,43 @@ def _claim(kv: KVCache, state: BlockState, mask, num_steps: int):
     return kv, st, status
 
 
-def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, impl, interpret):
+def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, attention,
+             extra=()):
     """One token per row at ``positions`` (rows not ``live`` write nothing): writes its K/V
-    at the row's ``slot_mapping`` and attends over ``positions + 1`` tokens. ``state`` has
-    already claimed the blocks (its lengths may run ahead, as after ``reserve_steps``)."""
+    at the row's ``slot_mapping``, then ``attention(layer, q, k, v, kv, extra) -> (out,
+    extra)`` attends (q ``[S, Hq, D]``, k and v ``[S, Hkv, D]``, out ``[S, Hq, D]``; ``extra``
+    is threaded through the layers beside the cache). ``state`` has already claimed the
+    blocks (its lengths may run ahead, as after ``reserve_steps``).
+
+    Returns ``(logits [S, V], kv, extra)``."""
     ids = jnp.where(live, jnp.arange(tokens.shape[0], dtype=jnp.int32), -1)  # [S]
     slots = _slot_mapping(state, ids, positions)  # [S], -1 for rows that write nothing
-    context_lens = jnp.where(live, positions + 1, 0)  # [S], includes the new token
 
-    def attend(layer, q, k, v, kv):  # q [S, 1, Hq, D]; k, v [S, 1, Hkv, D]
+    def attend(layer, q, k, v, carry):  # q [S, 1, Hq, D]; k, v [S, 1, Hkv, D]
+        kv, extra = carry
         kv = write(kv, layer, slots, k, v)
+        out, extra = attention(layer, q[:, 0], k[:, 0], v[:, 0], kv, extra)
+        return out[:, None], (kv, extra)
+
+    logits, (kv, extra) = model(tokens[:, None], positions[:, None], (kv, extra), attend)
+    return logits[:, 0], kv, extra
+
+
+def _paged(state: BlockState, positions, live, impl, interpret):
+    """``_forward``'s attention over the pool: ``paged_attention`` over ``positions + 1``
+    tokens (the new one included), no extra state."""
+    context_lens = jnp.where(live, positions + 1, 0)  # [S]
+
+    def attention(layer, q, k, v, kv, extra):
         # The whole cache and the layer index, not kv.k[layer]: the kernel reads the layer
         # in place, where a slice would be copied before the Pallas call.
         out = paged_attention(
-            q[:, 0], kv.k, kv.v, state.block_tables, context_lens,
+            q, kv.k, kv.v, state.block_tables, context_lens,
             impl=impl, interpret=interpret, layer=layer,
         )  # [S, Hq, D]
-        return out[:, None], kv
+        return out, extra
 
-    logits, kv = model(tokens[:, None], positions[:, None], kv, attend)  # [S, 1, V]
-    return logits[:, 0], kv
+    return attention
 
 
 def _decode(model, kv: KVCache, state: BlockState, tokens, mask, impl: str, interpret: bool):
@@ -320,7 +337,8 @@ def _decode(model, kv: KVCache, state: BlockState, tokens, mask, impl: str, inte
     positions = state.seq_lens
     kv, state, status = _claim(kv, state, mask, 1)
     live = mask & status.applied
-    logits, kv = _forward(model, kv, state, tokens, positions, live, impl, interpret)
+    logits, kv, _ = _forward(model, kv, state, tokens, positions, live,
+                             _paged(state, positions, live, impl, interpret))
     return logits, kv, state, status
 
 
@@ -372,16 +390,18 @@ def _hoisted_bytes(kv: KVCache, state: BlockState) -> int:
     return 2 * layers * heads * tokens * head_dim * kv.k.dtype.itemsize
 
 
-def _per_step(model, kv, state, start, live, impl, interpret):
-    """The K steps as K ``_forward`` calls: each writes its token's K/V, then attends.
+def _per_step(model, state, start, live, impl, interpret):
+    """The K steps as K ``_forward`` calls over the pool: each writes, then gathers and attends.
 
-    Returns ``(step, carry, finish)`` as ``_hoisted`` does: ``step(carry, tokens, t) ->
-    (logits, carry)``, the first carry (here the cache) and ``finish(carry) -> kv``."""
+    Returns ``(step, extra)`` as ``_hoisted`` does: ``step(kv, extra, tokens, t) -> (logits,
+    kv, extra)`` and the first ``extra`` (here none)."""
 
-    def step(kv, tokens, t):
-        return _forward(model, kv, state, tokens, start + t, live, impl, interpret)
+    def step(kv, extra, tokens, t):
+        positions = start + t
+        return _forward(model, kv, state, tokens, positions, live,
+                        _paged(state, positions, live, impl, interpret), extra)
 
-    return step, kv, lambda kv: kv
+    return step, ()
 
 
 def _hoisted(model, kv, state, start, live, num_steps):
@@ -389,45 +409,37 @@ def _hoisted(model, kv, state, start, live, num_steps):
 
     Under the scan the pool changes only at the K new slots, so each layer's context (the
     ``start`` tokens the rows held before this dispatch) is gathered and masked once, up front.
-    Step ``t`` writes its K/V to the pool as ``_forward`` does, and also keeps them in the
-    carry (``[layers, rows, kv_heads, K, head_dim]``); it attends over the gathered context
-    plus the carried tokens ``0..t``. On XLA:CPU a gather costs more than the attention it
-    feeds, so this makes one gather per layer per dispatch instead of K.
+    Step ``t`` writes its K/V to the pool (``_forward``) and also keeps them in ``extra``
+    (``[layers, rows, kv_heads, K, head_dim]`` keys and values); it attends over the gathered
+    context plus the kept tokens ``0..t``. On XLA:CPU a gather costs more than the attention
+    it feeds, so this makes one gather per layer per dispatch instead of K.
     """
     layers, heads, _, _, head_dim = kv.k.shape
     rows = start.shape[0]
-    ids = jnp.where(live, jnp.arange(rows, dtype=jnp.int32), -1)  # [S]
     context = [
         gather_context(kv.k[layer], kv.v[layer], state.block_tables, jnp.where(live, start, 0))
         for layer in range(layers)
     ]  # per layer: k, v [rows, heads, T, D], live [rows, T]
     shape = (layers, rows, heads, num_steps, head_dim)
-    carry = (kv, jnp.zeros(shape, kv.k.dtype), jnp.zeros(shape, kv.v.dtype))
-    sm_scale = 1.0 / math.sqrt(head_dim)  # paged_attention's default, which _forward uses
+    sm_scale = 1.0 / math.sqrt(head_dim)  # paged_attention's default, which _paged uses
 
-    def step(carry, tokens, t):
-        positions = start + t
-        slots = _slot_mapping(state, ids, positions)  # [S], -1 for rows that write nothing
+    def step(kv, extra, tokens, t):
         new_live = (jnp.arange(num_steps)[None, :] <= t) & live[:, None]  # [rows, K]
 
-        def attend(layer, q, k, v, carry):  # q [S, 1, Hq, D]; k, v [S, 1, Hkv, D]
-            kv, new_k, new_v = carry
-            kv = write(kv, layer, slots, k, v)
+        def attention(layer, q, k, v, kv, extra):
             new_k, new_v = (
                 jax.lax.dynamic_update_slice(
-                    buf, x[None, :, 0, :, None].astype(buf.dtype), (layer, 0, 0, t, 0)
+                    buf, x[None, :, :, None].astype(buf.dtype), (layer, 0, 0, t, 0)
                 )
-                for buf, x in ((new_k, k), (new_v, v))
+                for buf, x in zip(extra, (k, v), strict=True)
             )
             # The new values past step t are still the zeros they started as: finite.
             segments = [context[layer], (new_k[layer], new_v[layer], new_live)]
-            out = attend_segments(q[:, 0], segments, sm_scale=sm_scale)
-            return out[:, None], (kv, new_k, new_v)
+            return attend_segments(q, segments, sm_scale=sm_scale), (new_k, new_v)
 
-        logits, carry = model(tokens[:, None], positions[:, None], carry, attend)
-        return logits[:, 0], carry
+        return _forward(model, kv, state, tokens, start + t, live, attention, extra)
 
-    return step, carry, lambda carry: carry[0]
+    return step, (jnp.zeros(shape, kv.k.dtype), jnp.zeros(shape, kv.v.dtype))
 
 
 def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_steps, impl,
@@ -440,14 +452,14 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
     live = mask & status.applied
     if (num_steps > 1 and resolve_impl(impl) == "xla"
             and _hoisted_bytes(kv, state) <= HOIST_MAX_BYTES):
-        step, carry, finish = _hoisted(model, kv, state, start, live, num_steps)
+        step, extra = _hoisted(model, kv, state, start, live, num_steps)
     else:
-        step, carry, finish = _per_step(model, kv, state, start, live, impl, interpret)
+        step, extra = _per_step(model, state, start, live, impl, interpret)
 
     def body(loop, xs):
-        carry, tokens = loop
+        kv, extra, tokens = loop
         t, step_key = xs
-        logits, carry = step(carry, tokens, t)
+        logits, kv, extra = step(kv, extra, tokens, t)
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if sample:  # static: a greedy run draws no random numbers
             temp = jnp.asarray(temperature, jnp.float32)
@@ -457,13 +469,13 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
         emitted = jnp.where(live, nxt, -1)  # [S]
         tokens = jnp.where(live, nxt, tokens)
         out = (emitted, logits) if return_logits else (emitted,)
-        return (carry, tokens), out
+        return (kv, extra, tokens), out
 
     keys = jax.random.split(key, num_steps) if sample else None
     steps = (jnp.arange(num_steps, dtype=jnp.int32), keys)
-    (carry, _), out = jax.lax.scan(body, (carry, tokens.astype(jnp.int32)), steps)
+    (kv, _, _), out = jax.lax.scan(body, (kv, extra, tokens.astype(jnp.int32)), steps)
     logits = out[1] if return_logits else None
-    return out[0], logits, finish(carry), state, status
+    return out[0], logits, kv, state, status
 
 
 @functools.cache
