@@ -215,6 +215,57 @@ def test_out_of_blocks_changes_nothing(split_model):
                                               jnp.ones(4, jnp.int32), num_steps=2)
     assert (np.asarray(toks) == -1).all() and not bool(status.applied)
     assert_same((kv, state), (before_kv, before_state))
+    # A loop that feeds those -1s back unread gets a refusal, not a step over token -1.
+    toks, _, kv, state, status = decode_steps(graphdef, params, kv, state, toks[-1], num_steps=2)
+    assert list(np.asarray(status.code)) == [Code.BAD_TOKEN, Code.BAD_TOKEN, Code.NOT_APPLIED,
+                                             Code.NOT_APPLIED]
+    assert (np.asarray(toks) == -1).all()
+    assert_same((kv, state), (before_kv, before_state))
+
+
+@pytest.mark.parametrize("bad_token", [-1, TINY.vocab_size])
+def test_tokens_outside_the_vocabulary_are_refused_inside_jit(split_model, bad_token):
+    """Inside jit a token id outside the vocabulary would silently embed some other row (-1
+    wraps to the last); the steps refuse the whole call through the status instead."""
+    graphdef, params = split_model
+    kv, state = init_cache(TINY, CACHE), init_state(CACHE)
+    tokens = pad_prompts([[1, 2, 3], [4, 5]], width=4)
+    tokens[1, 1] = bad_token
+    before = snapshot((kv, state))
+    _, kv, state, status = prefill(graphdef, params, kv, state, tokens, jnp.array([0, 1]),
+                                   jnp.array([3, 2]))
+    assert list(np.asarray(status.code)) == [Code.NOT_APPLIED, Code.BAD_TOKEN]
+    assert_same((kv, state), before)
+    with pytest.raises(ValueError, match="seq 1 .* outside the vocabulary"):
+        status.raise_if_failed()
+    # Only a row's first num_tokens are read: padding past them may hold anything.
+    tokens[1, 1], tokens[1, 2:] = 5, bad_token
+    _, kv, state, status = prefill(graphdef, params, kv, state, tokens, jnp.array([0, 1]),
+                                   jnp.array([3, 2]))
+    status.raise_if_failed()
+
+    # Slots 0 and 1 are active; 2 and 3 are not, and what they are fed is never read.
+    for run in ("decode_step", "decode_steps"):
+        before = snapshot((kv, state))
+        feed = np.array([7, bad_token, bad_token, 9], np.int32)
+        if run == "decode_step":
+            _, kv, state, status = decode_step(graphdef, params, kv, state, feed)
+        else:
+            toks, _, kv, state, status = decode_steps(graphdef, params, kv, state, feed,
+                                                      num_steps=3)
+            assert (np.asarray(toks) == -1).all()
+        assert list(np.asarray(status.code)) == [Code.NOT_APPLIED, Code.BAD_TOKEN,
+                                                 Code.NOT_APPLIED, Code.NOT_APPLIED]
+        assert_same((kv, state), before)
+        with pytest.raises(ValueError, match="seq 1 .* outside the vocabulary"):
+            status.raise_if_failed()
+        feed[1] = TINY.vocab_size - 1  # the inactive rows keep their bad ids
+        if run == "decode_step":
+            _, kv, state, status = decode_step(graphdef, params, kv, state, feed)
+        else:
+            _, _, kv, state, status = decode_steps(graphdef, params, kv, state, feed,
+                                                   num_steps=3)
+        status.raise_if_failed()
 
 
 @pytest.mark.parametrize("num_steps", [1, 3, 8])
@@ -464,6 +515,13 @@ def test_bad_inputs_are_refused(split_model):
     kv, state = init_cache(TINY, CACHE), init_state(CACHE)
     with pytest.raises(ValueError, match=r"\[max_seqs\] = \[4\]"):
         decode_step(graphdef, params, kv, state, jnp.zeros(3, jnp.int32))
+    # The check remembers the shapes and dtypes it accepted; that must not let others through.
+    _, kv, state, _ = decode_step(graphdef, params, kv, state, np.zeros(4, np.int32))
+    for bad in (np.zeros(4, np.float32), np.zeros(3, np.int32), [0.5] * 4):
+        with pytest.raises(ValueError, match=r"\[max_seqs\] = \[4\] int array"):
+            decode_step(graphdef, params, kv, state, bad)
+        with pytest.raises(ValueError, match=r"\[max_seqs\] = \[4\] int array"):
+            decode_steps(graphdef, params, kv, state, bad, num_steps=2)
     with pytest.raises(ValueError, match="num_tokens must be a \\[batch\\]"):
         prefill(graphdef, params, kv, state, jnp.zeros((2, 4), jnp.int32), jnp.array([0, 1]),
                 jnp.array([4]))

@@ -32,6 +32,7 @@ class Code(enum.IntEnum):
     OUT_OF_BLOCKS = 7
     NOT_APPLIED = 8
     BAD_BLOCK = 9
+    BAD_TOKEN = 10
 
 
 _EXPLAIN = {
@@ -44,6 +45,7 @@ _EXPLAIN = {
     Code.OUT_OF_BLOCKS: "could not be served: the pool ran out of free blocks",
     Code.NOT_APPLIED: "was valid but not applied because another entry failed",
     Code.BAD_BLOCK: "is not a block with an outstanding allocate()/share() reference",
+    Code.BAD_TOKEN: "feeds a token id outside the vocabulary; expected 0 <= token < vocab_size",
 }
 
 

@@ -3,8 +3,9 @@
 ``paged-jax bench decode`` builds a small random Llama (by default 2 layers, hidden 128, 2 query
 heads sharing 1 KV head of 64, vocab 512, f32) and, for every batch x context, times
 ``--tokens`` greedy decode tokens per sequence four ways. Each runs the loop a server runs:
-dispatch, bring the new tokens to the host (to stream them and check stop conditions; a
-paged row that emits -1 sends the loop to the step's ``Status``), feed the last ones back.
+dispatch, bring the new tokens to the host (to stream them and check stop conditions), feed
+the last ones back. A paged dispatch that did not run emits -1s, which the next one refuses
+(``BAD_TOKEN``, state unchanged), so the paged loop reads its ``Status`` once per round.
 That host round trip is what the K-step form exists to amortise:
 
 * paged K=1: ``decode_steps(num_steps=1)``: one dispatch and one round trip per token;
@@ -120,10 +121,10 @@ def bench_shape(graphdef, params, cfg: ModelConfig, batch, context, args):
             out, _, paged["kv"], state, status = decode_steps(
                 graphdef, params, paged["kv"], state, nxt, num_steps=k, impl=args.impl
             )
-            out = jax.device_get(out)  # the host round trip
-            if (out < 0).any():  # an active row emitted no token: the step did not run
-                status.raise_if_failed()
-            nxt = out[-1]
+            nxt = jax.device_get(out)[-1]  # the host round trip
+        # A dispatch that did not run emits -1s, and a step fed a -1 is refused (BAD_TOKEN)
+        # with the state unchanged: one look at the last status covers the whole round.
+        status.raise_if_failed()
 
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_blocks * bs, cfg.head_dim)
     dense = {"cache": (jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))}

@@ -115,6 +115,7 @@ def _combine(ids, state: BlockState, op: str, *statuses: Status, code=None) -> S
 def _prefill(graphdef, params, kv: KVCache, state: BlockState, tokens, seq_ids, num_tokens,
              *, all_logits: bool):
     cfg = state.config
+    model = _merge(graphdef, params)
     batch, width = tokens.shape
     ids = seq_ids.astype(jnp.int32)
     n = num_tokens.astype(jnp.int32)
@@ -133,7 +134,11 @@ def _prefill(graphdef, params, kv: KVCache, state: BlockState, tokens, seq_ids, 
     # A real row must bring 1..T new tokens: more than `tokens` holds would leave cache
     # slots that nothing writes.
     bad_len = (ids != -1) & ((n < 1) | (n > width))
-    own = jnp.where(bad_len, jnp.int32(Code.BAD_LENGTH), jnp.int32(Code.OK))
+    # Only a row's first n tokens are read: padding past them may hold anything.
+    new = (ids != -1)[:, None] & (jnp.arange(width)[None, :] < n[:, None])  # [B, T]
+    bad_token = jnp.any(_bad_tokens(tokens, new, model.config.vocab_size), axis=1)  # [B]
+    own = jnp.where(bad_len, jnp.int32(Code.BAD_LENGTH),
+                    jnp.where(bad_token, jnp.int32(Code.BAD_TOKEN), jnp.int32(Code.OK)))
     status = _combine(ids, state, "prefill", s_admit, s_append, s_cow, code=own)
     ok = status.applied
     state = _select(ok, st, state)
@@ -155,7 +160,6 @@ def _prefill(graphdef, params, kv: KVCache, state: BlockState, tokens, seq_ids, 
         values = gather_pages(kv.v[layer], tables).swapaxes(1, 2)
         return masked_attention(q, keys, values, mask), kv
 
-    model = _merge(graphdef, params)
     h, kv = model.hidden(tokens.astype(jnp.int32), positions, kv, attend)  # [B, T, E]
     if all_logits:
         logits = model.logits(h)  # [B, T, V]
@@ -195,6 +199,8 @@ def prefill(
     already active (after ``share_prefix`` or a prefix-cache hit) holds ``seq_len`` cached
     tokens: only its new tokens are computed, at positions ``seq_len, seq_len + 1, ...``,
     attending over the cached blocks (a shared, partly filled last block is copied first).
+    A row whose first ``num_tokens`` tokens hold an id outside ``[0, vocab_size)`` refuses
+    the call (``BAD_TOKEN``); padding past them is never read.
 
     Returns:
       ``(logits, kv, state, status)``: logits ``[B, V]`` f32 at each row's last new token
@@ -220,18 +226,26 @@ def prefill(
 # Decode
 
 
+_GOOD_TOKENS: set = set()  # (shape, dtype, max_seqs) already accepted
+
+
 def _check_decode_tokens(tokens, state: BlockState) -> None:
-    # Runs on every step: read the attributes rather than jnp.result_type (about 10 us).
+    # Runs on every step, on the host, between dispatches: about 10 us with a NumPy dtype
+    # test (slower still while XLA's threads run), so a shape/dtype seen before costs one
+    # set lookup.
     dtype = getattr(tokens, "dtype", None)
     if dtype is None:
         tokens = np.asarray(tokens)
         dtype = tokens.dtype
-    shape = tokens.shape
-    if shape != (state.config.max_seqs,) or not np.issubdtype(dtype, np.integer):
+    seen = (tokens.shape, dtype, state.config.max_seqs)
+    if seen in _GOOD_TOKENS:
+        return
+    if tokens.shape != (state.config.max_seqs,) or not np.issubdtype(dtype, np.integer):
         raise ValueError(
             f"tokens must be a [max_seqs] = [{state.config.max_seqs}] int array, one per "
-            f"sequence slot. Got {dtype}{shape}."
+            f"sequence slot. Got {dtype}{tokens.shape}."
         )
+    _GOOD_TOKENS.add(seen)
 
 
 def _claim(kv: KVCache, state: BlockState, mask, num_steps: int):
@@ -293,6 +307,29 @@ def _claim(kv: KVCache, state: BlockState, mask, num_steps: int):
     return kv, st, status
 
 
+def _bad_tokens(tokens, live, vocab_size: int):
+    """Where a ``live`` entry's token id is outside ``[0, vocab_size)``: the embedding lookup
+    would silently read some other row (a -1, for one, wraps to the last)."""
+    return live & ((tokens < 0) | (tokens >= vocab_size))
+
+
+def _claim_feeding(kv: KVCache, state: BlockState, tokens, mask, num_steps: int,
+                   vocab_size: int):
+    """``_claim`` for rows that feed ``tokens`` ([S]): refused as a whole, state and cache
+    unchanged, when a row in ``mask`` feeds a token outside the vocabulary (``BAD_TOKEN``;
+    every other row ``NOT_APPLIED``). A step that did not run emits -1, so a serving loop
+    that feeds that back without looking gets a refusal, never a step over garbage: it can
+    check the emitted tokens when it streams them rather than after every dispatch."""
+    bad = _bad_tokens(tokens, mask, vocab_size)  # [S]
+    kv, new_state, status = _claim(kv, state, mask & ~jnp.any(bad), num_steps)
+    own = jnp.where(bad, jnp.int32(Code.BAD_TOKEN), jnp.int32(Code.OK))
+    code, _ = _first_errors(status.code, code=own)
+    ids = jnp.where(mask, jnp.arange(mask.shape[0], dtype=jnp.int32), -1)
+    status = Status(code=code, ids=ids, requested=status.requested, num_free=state.num_free,
+                    op="decode_step")
+    return kv, new_state, status
+
+
 def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, attention,
              extra=()):
     """One token per row at ``positions`` (rows not ``live`` write nothing): writes its K/V
@@ -335,7 +372,7 @@ def _paged(state: BlockState, positions, live, impl, interpret):
 def _decode(model, kv: KVCache, state: BlockState, tokens, mask, impl: str, interpret: bool):
     """One token for every row in ``mask`` (a [max_seqs] bool); see ``decode_step``."""
     positions = state.seq_lens
-    kv, state, status = _claim(kv, state, mask, 1)
+    kv, state, status = _claim_feeding(kv, state, tokens, mask, 1, model.config.vocab_size)
     live = mask & status.applied
     logits, kv, _ = _forward(model, kv, state, tokens, positions, live,
                              _paged(state, positions, live, impl, interpret))
@@ -368,7 +405,9 @@ def decode_step(
     when that slot lies in a shared block, the block copy applied here), writes the new K/V in
     place, runs ``paged_attention`` (``impl`` "auto", "pallas" (``interpret=True`` on CPU) or
     "xla") and returns ``(logits [max_seqs, V] f32, kv, state, status)``. Rows of inactive
-    slots are computed but write nothing; their logits are meaningless.
+    slots are computed but write nothing; their logits are meaningless, and their tokens are
+    never read. An active slot fed a token outside ``[0, vocab_size)`` (such as the -1 a
+    step that did not run emits) refuses the step: ``BAD_TOKEN``, cache and state unchanged.
     """
     _check_decode_tokens(tokens, state)
     return _decode_step_jit(
@@ -448,7 +487,9 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
     # All K steps' blocks are claimed once, up front: the scan body does no allocator work.
     mask = state.active
     start = state.seq_lens  # [S]
-    kv, state, status = _claim(kv, state, mask, num_steps)
+    tokens = tokens.astype(jnp.int32)
+    kv, state, status = _claim_feeding(kv, state, tokens, mask, num_steps,
+                                       model.config.vocab_size)
     live = mask & status.applied
     if (num_steps > 1 and resolve_impl(impl) == "xla"
             and _hoisted_bytes(kv, state) <= HOIST_MAX_BYTES):
@@ -511,7 +552,10 @@ def decode_steps(
     The blocks for all ``num_steps`` steps are claimed up front by one ``reserve_steps`` (the
     same state as ``num_steps`` successive appends), so the scan body runs the model and
     nothing else. All-or-nothing: if the pool cannot hold every step, no step runs, the cache
-    and state come back unchanged, and ``status`` says why (retry with fewer steps).
+    and state come back unchanged, and ``status`` says why (retry with fewer steps). Then
+    every token is -1, and feeding those back is refused too (``BAD_TOKEN``, as in
+    ``decode_step``), so a loop may read the status when it streams the tokens rather than
+    after every dispatch: nothing runs on garbage in between.
 
     On the xla path (``impl="xla"``, or ``"auto"`` off GPU) with ``num_steps > 1``, each row's
     context is gathered from its blocks once per dispatch, not once per step; each step
