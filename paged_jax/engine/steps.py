@@ -230,9 +230,8 @@ _GOOD_TOKENS: set = set()  # (shape, dtype, max_seqs) already accepted
 
 
 def _check_decode_tokens(tokens, state: BlockState) -> None:
-    # Runs on every step, on the host, between dispatches: about 10 us with a NumPy dtype
-    # test (slower still while XLA's threads run), so a shape/dtype seen before costs one
-    # set lookup.
+    # Runs on the host before every dispatch, where any work costs several times what it
+    # costs alone: the full test takes 2.7 us (timeit), a combination seen before 1.1 us.
     dtype = getattr(tokens, "dtype", None)
     if dtype is None:
         tokens = np.asarray(tokens)
@@ -323,11 +322,8 @@ def _claim_feeding(kv: KVCache, state: BlockState, tokens, mask, num_steps: int,
     bad = _bad_tokens(tokens, mask, vocab_size)  # [S]
     kv, new_state, status = _claim(kv, state, mask & ~jnp.any(bad), num_steps)
     own = jnp.where(bad, jnp.int32(Code.BAD_TOKEN), jnp.int32(Code.OK))
-    code, _ = _first_errors(status.code, code=own)
     ids = jnp.where(mask, jnp.arange(mask.shape[0], dtype=jnp.int32), -1)
-    status = Status(code=code, ids=ids, requested=status.requested, num_free=state.num_free,
-                    op="decode_step")
-    return kv, new_state, status
+    return kv, new_state, _combine(ids, state, "decode_step", status, code=own)
 
 
 def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, attention,
