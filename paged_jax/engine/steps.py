@@ -510,7 +510,7 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
 
     keys = jax.random.split(key, num_steps) if sample else None
     steps = (jnp.arange(num_steps, dtype=jnp.int32), keys)
-    (kv, _, _), out = jax.lax.scan(body, (kv, extra, tokens.astype(jnp.int32)), steps)
+    (kv, _, _), out = jax.lax.scan(body, (kv, extra, tokens), steps)
     logits = out[1] if return_logits else None
     return out[0], logits, kv, state, status
 
