@@ -11,6 +11,7 @@ import math
 
 OK, BAD_SEQ_ID, DUPLICATE_SEQ, SEQ_ACTIVE, SEQ_INACTIVE = 0, 1, 2, 3, 4
 BAD_LENGTH, BAD_POSITION, OUT_OF_BLOCKS, NOT_APPLIED, BAD_BLOCK = 5, 6, 7, 8, 9
+BAD_NUM_BLOCKS = 12
 
 
 class ModelAllocator:
@@ -142,7 +143,7 @@ class ModelAllocator:
                 have = len(self.tables[s])
                 k = have if ks is None else ks[i]
                 if k < 0 or k > have:
-                    codes[i] = BAD_LENGTH
+                    codes[i] = BAD_NUM_BLOCKS
                 else:
                     plan.append((s, d, k))
                     continue

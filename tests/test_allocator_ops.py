@@ -283,10 +283,44 @@ def test_raise_if_failed_names_values():
     with pytest.raises(ValueError, match=r"seq 0 \(entry 0\) is already active.*seq 12 \(entry"):
         st.raise_if_failed()
     _, st = pj.admit(state, arr([1]), arr([96 * 2]))
-    with pytest.raises(ValueError, match="seq 1 .*more tokens than its table can hold"):
+    with pytest.raises(ValueError, match=r"seq 1 \(entry 0\) would hold 192 tokens; expected 0 "
+                       r"to 96, what its table holds \(max_blocks_per_seq \* block_size\)"):
+        st.raise_if_failed()
+    _, st = pj.admit(state, arr([1]), arr([-3]))
+    with pytest.raises(ValueError, match="seq 1 .*would hold -3 tokens"):
+        st.raise_if_failed()
+    _, st = pj.append(state, arr([0]), 60)  # 40 + 60 > 96
+    with pytest.raises(ValueError, match="append failed.*seq 0 .*would hold 100 tokens"):
+        st.raise_if_failed()
+    _, st = pj.admit(state, arr([7, 9]), arr([1, 1]))
+    with pytest.raises(ValueError, match=r"seq 9 \(entry 1\) .*0 <= id < 8 \(max_seqs\)"):
         st.raise_if_failed()
     _, st = pj.admit(state, arr([1, 2, 3]), arr([96, 96, 96]))
     with pytest.raises(pj.OutOfBlocksError, match=r"Out of KV cache blocks: requested 18, free 17"):
+        st.raise_if_failed()
+
+
+def test_share_errors_blame_the_source():
+    state, _ = fresh()
+    state, _ = pj.admit(state, arr([0]), arr([20]))  # seq 0 holds 2 blocks
+    # share_prefix asks for 3 blocks of a 2-block source: the source is at fault.
+    _, st = pj.share_prefix(state, arr([0]), arr([4]), arr([3]))
+    assert np.asarray(st.code).tolist() == [pj.Code.BAD_NUM_BLOCKS]
+    with pytest.raises(ValueError, match=r"share_prefix failed, state unchanged: seq 0 \(entry 0\)"
+                       r" holds 2 blocks, but 3 of them were asked for \(by entry 0's "
+                       r"destination seq 4\)"):
+        st.raise_if_failed()
+    # A fork whose parent is inactive names the parent, not the child.
+    _, st = pj.fork(state, arr([0, 3]), arr([5, 6]))
+    with pytest.raises(ValueError, match=r"seq 3 \(entry 1\) is not active"):
+        st.raise_if_failed()
+    assert np.asarray(st.ids).tolist() == [5, 3]
+    # A destination that is already active is the destination's fault.
+    _, st = pj.fork(state, arr([0]), arr([0]))
+    with pytest.raises(ValueError, match=r"seq 0 \(entry 0\) is already active"):
+        st.raise_if_failed()
+    _, _, st = pj.copy_on_write(state, arr([0]), arr([40]))
+    with pytest.raises(ValueError, match=r"seq 0 \(entry 0\) names position 40, outside its 32"):
         st.raise_if_failed()
 
 

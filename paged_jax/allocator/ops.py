@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.allocator.state import NULL_BLOCK, BlockState
-from paged_jax.allocator.status import Code, Status, finalize, first_error
+from paged_jax.allocator.status import Code, Status, details, finalize, first_error
 
 
 def _cdiv(a, b):
@@ -66,8 +66,13 @@ def _prepare(state: BlockState, seq_ids, name: str = "seq_ids", unique: bool = T
     return ids, safe, in_range & (code == Code.OK), code
 
 
-def _status(code, ids, requested, state: BlockState, op: str) -> Status:
-    return Status(code=code, ids=ids, requested=requested, num_free=state.num_free, op=op)
+def _status(code, ids, requested, state: BlockState, op: str, table=None) -> Status:
+    """The op's ``Status``; ``table`` (``{Code: (value, limit, at)}``, see ``details``) gives
+    the numbers its messages name. A bad seq id always names ``max_seqs``."""
+    table = {Code.BAD_SEQ_ID: (ids, state.config.max_seqs, None), **(table or {})}
+    value, limit, at = details(code, table)
+    return Status(code=code, ids=ids, value=value, limit=limit, at=at, requested=requested,
+                  num_free=state.num_free, op=op)
 
 
 def prefix_sum(x: jax.Array, bound: int) -> jax.Array:
@@ -194,7 +199,8 @@ def admit(state: BlockState, seq_ids, num_tokens) -> tuple[BlockState, Status]:
     new, blocks = _take_blocks(state, need, cum, apply, cfg.max_blocks_per_seq)
     new = _write_tables(new, jnp.where(valid, ids, cfg.max_seqs), jnp.zeros_like(ids), blocks)
     new = _set_rows(new, ids, apply, valid, n, True)
-    return new, _status(code, ids, jnp.sum(need), state, "admit")
+    table = {Code.BAD_LENGTH: (n, cfg.max_tokens_per_seq, None)}
+    return new, _status(code, ids, jnp.sum(need), state, "admit", table)
 
 
 def _select(state: BlockState, seq_ids_or_mask):
@@ -233,7 +239,9 @@ def _grow(state, ids, valid, code, old_len, active, n, dense, op, rank_fn=None, 
         new = new.replace(seq_lens=jnp.where(apply & valid, new_len, state.seq_lens))
     else:
         new = new.scatter("seq_lens", jnp.where(apply, rows, cfg.max_seqs), new_len)
-    return new, _status(code, ids, cum[-1] if cum.shape[0] else jnp.int32(0), state, op)
+    table = {Code.BAD_LENGTH: (new_len, cfg.max_tokens_per_seq, None)}
+    requested = cum[-1] if cum.shape[0] else jnp.int32(0)
+    return new, _status(code, ids, requested, state, op, table)
 
 
 def append(state: BlockState, seq_ids_or_mask, num_tokens=1) -> tuple[BlockState, Status]:
@@ -315,6 +323,9 @@ def _share(state: BlockState, src_ids, dst_ids, num_blocks, op: str):
     dst, dst_safe, dst_valid, code = _prepare(state, dst_ids, "child/dst ids")
     if src.shape != dst.shape:
         raise ValueError(f"{op}: source ids {src.shape} and destination ids {dst.shape} differ.")
+    # An error that lies with the source (a bad or inactive parent, too few blocks to share)
+    # names the source, not the destination.
+    src_fault = (code == Code.OK) & (code_s != Code.OK)
     code = jnp.where(code == Code.OK, code_s, code)
     # Padding must be padding on both sides.
     code = first_error(code, (src == -1) != (dst == -1), Code.BAD_SEQ_ID)
@@ -324,7 +335,11 @@ def _share(state: BlockState, src_ids, dst_ids, num_blocks, op: str):
     src_len = state.seq_lens[src_safe]
     src_blocks = _cdiv(src_len, cfg.block_size)
     k = src_blocks if num_blocks is None else _broadcast_like(num_blocks, src, "num_blocks")
-    code = first_error(code, valid & ((k < 0) | (k > src_blocks)), Code.BAD_LENGTH)
+    code = first_error(code, valid & ((k < 0) | (k > src_blocks)), Code.BAD_NUM_BLOCKS)
+    src_fault = src_fault | (code == Code.SEQ_INACTIVE) | (code == Code.BAD_NUM_BLOCKS)
+    blamed = jnp.where(src_fault, src, dst)
+    table = {Code.BAD_SEQ_ID: (blamed, cfg.max_seqs, None),
+             Code.BAD_NUM_BLOCKS: (k, src_blocks, dst)}
     code, apply = finalize(code)
     cols = jnp.arange(cfg.max_blocks_per_seq, dtype=jnp.int32)[None, :]
     shared = jnp.where(cols < k[:, None], state.block_tables[src_safe], NULL_BLOCK)
@@ -332,7 +347,7 @@ def _share(state: BlockState, src_ids, dst_ids, num_blocks, op: str):
     new = state.scatter("ref_counts", jnp.where(inc, shared, cfg.num_blocks), 1, "add")
     new_len = jnp.minimum(k * cfg.block_size, src_len)
     new = _set_rows(new, dst, apply, valid, new_len, True, shared)
-    return new, _status(code, dst, jnp.int32(0), state, op)
+    return new, _status(code, blamed, jnp.int32(0), state, op, table)
 
 
 def fork(state: BlockState, parent_ids, child_ids) -> tuple[BlockState, Status]:
@@ -397,7 +412,8 @@ def copy_on_write(state: BlockState, seq_ids, positions):
     new = new.scatter("ref_counts", jnp.where(copy, old, cfg.num_blocks), -1, "add")
     src = jnp.where(copy, old, NULL_BLOCK)
     dst = jnp.where(copy, blocks[:, 0], NULL_BLOCK)
-    return new, (src, dst), _status(code, ids, jnp.sum(need), state, "copy_on_write")
+    table = {Code.BAD_POSITION: (pos, have * cfg.block_size, None)}
+    return new, (src, dst), _status(code, ids, jnp.sum(need), state, "copy_on_write", table)
 
 
 def slot_mapping(state: BlockState, seq_ids, positions) -> jax.Array:
