@@ -1,6 +1,6 @@
 """What each view draws for one step: per physical block, its holders, ref count and fill.
 
-Also the colours every view shares, so a request looks the same in the PNG, the GIF, the
+Also each request's style (``palette``), so a request looks the same in the PNG, the GIF, the
 timeline, the HTML page and the terminal.
 """
 
@@ -9,19 +9,18 @@ from __future__ import annotations
 import dataclasses
 
 from paged_jax.viz.log import RunLog, Snapshot
+from paged_jax.viz.palette import (  # noqa: F401  (re-exported: the views import them here)
+    CHANGED_COLOR,
+    FREE_COLOR,
+    HELD_COLOR,
+    PALETTE,
+    SHARED_MARK,
+    SHARED_OWNERS_COLOR,
+    OwnerStyle,
+    assign_styles,
+    hex_to_rgb,
+)
 from paged_jax.viz.recorder import anonymous_held
-
-# A qualitative palette (Tableau 20, dark shades first); requests take colours in order of
-# first appearance.
-PALETTE = (
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22",
-    "#17becf", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94",
-    "#f7b6d2", "#dbdb8d", "#9edae5", "#393b79",
-)  # fmt: skip
-FREE_COLOR = "#eeeeee"  # a free block
-HELD_COLOR = "#9e9e9e"  # in use, but by no table (a loose or cached reference)
-SHARED_MARK = "#111111"  # band on a block with ref count > 1
-CHANGED_COLOR = "#ff00aa"  # outline of a block touched in this step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +73,24 @@ def block_views(snap: Snapshot) -> list[BlockView]:
     return views
 
 
+def request_lifetimes(log: RunLog) -> list[tuple[str, int, int]]:
+    """``(name, first step, last step)`` of every request, in order of first appearance."""
+    span: dict[str, list[int]] = {}
+    for t, snap in enumerate(log.snapshots):
+        for name in snap.requests():
+            span.setdefault(name, [t, t])[1] = t
+    return [(name, first, last) for name, (first, last) in span.items()]
+
+
+def owner_styles(log: RunLog) -> dict[str, OwnerStyle]:
+    """Request name -> colour and hatch, stable over the whole log (``palette.assign_styles``:
+    requests alive at the same time never share a style)."""
+    return assign_styles(request_lifetimes(log))
+
+
 def owner_colors(log: RunLog) -> dict[str, str]:
     """Request name -> colour, stable over the whole log."""
-    return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(log.request_names())}
+    return {name: style.color for name, style in owner_styles(log).items()}
 
 
 def changed_blocks(log: RunLog, step: int) -> set[int]:
@@ -87,12 +101,28 @@ def changed_blocks(log: RunLog, step: int) -> set[int]:
     return out
 
 
-def hex_to_rgb(color: str) -> tuple[int, int, int]:
-    color = color.lstrip("#")
-    return tuple(int(color[i : i + 2], 16) for i in (0, 2, 4))  # type: ignore[return-value]
-
-
 def tint(color: str, amount: float = 0.7) -> str:
     """``color`` mixed with white: the empty part of a partly filled block."""
     r, g, b = (round(c + (255 - c) * amount) for c in hex_to_rgb(color))
     return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def fit_label(owners: tuple[str, ...], max_chars: int) -> str:
+    """Owners joined by ``+``, cut to ``max_chars`` with an ellipsis when longer (the full list
+    is in the hover, the tables and the events)."""
+    label = "+".join(owners)
+    if len(label) <= max_chars:
+        return label
+    return label[: max(0, max_chars - 1)] + "\u2026"
+
+
+def selected_request(log: RunLog, step: int) -> str | None:
+    """The request a crowded picture draws arrows for: the first live request named by an
+    event of ``step``, else the live request with the longest table (first on ties)."""
+    live = log.snapshots[step].requests()
+    for e in log.events_at(step):
+        if e.request in live:
+            return e.request
+    if not live:
+        return None
+    return max(live, key=lambda name: len(live[name].table))

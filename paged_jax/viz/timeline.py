@@ -11,13 +11,12 @@ from paged_jax.viz.layout import (
     FREE_COLOR,
     HELD_COLOR,
     SHARED_MARK,
+    SHARED_OWNERS_COLOR,
     block_views,
     hex_to_rgb,
     owner_colors,
 )
 from paged_jax.viz.log import RunLog
-
-SHARED_OWNERS_COLOR = "#4d4d4d"  # a block in several tables at once
 
 
 def timeline_rgb(log: RunLog) -> np.ndarray:
