@@ -51,3 +51,24 @@ def test_bad_log_is_an_error(tmp_path, capsys):
     bad.write_text('{"format": "other"}')
     assert main(["--log", str(bad), "--out", str(tmp_path / "o")]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_random_at_scale_brings_every_request_through_a_big_pool():
+    from paged_jax.viz import scenarios
+
+    log = scenarios.random_run(num_blocks=2000, num_requests=200)
+    assert log.config.num_blocks == 2000
+    held = {n for s in log.snapshots for n, r in s.requests().items() if r.table}
+    arrivals = {n for n in held if not any(
+        e.kind == "fork" and e.request == n for e in log.events)}
+    assert len(arrivals) >= 200, len(arrivals)
+    peak = max(int((s.ref_counts > 0).sum()) for s in log.snapshots)
+    assert peak >= 1000, peak  # at least half the pool in use at the busiest step
+    assert scenarios.random_run().config == scenarios.SMALL_POOL  # the default is unchanged
+
+
+def test_scale_flags_are_checked(tmp_path, capsys):
+    assert main(["--scenario", "seed", "--blocks", "100", "--out", str(tmp_path)]) == 2
+    assert "--blocks and --requests apply to --scenario random" in capsys.readouterr().err
+    assert main(["--scenario", "random", "--blocks", "3", "--out", str(tmp_path)]) == 2
+    assert "num_blocks must be an int >= 8. Got 3" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """``paged-jax viz``: record a scenario (or load a saved log) and write every view.
 
     paged-jax viz --scenario seed --out out/seed
+    paged-jax viz --scenario random --blocks 2000 --requests 200 --out out/big
     paged-jax viz --log out/seed/run.json --out out/again
 
 Writes into ``--out``: ``run.json`` (the event log), ``layout.txt`` (the terminal view of every
@@ -16,6 +17,7 @@ import sys
 
 SCENARIO_CHOICES = ("seed", "prefix-sharing", "fork-cow", "random", "engine")
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paged-jax viz", description="Record a run and draw its block layout, every view."
@@ -26,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     parser.add_argument("--steps", type=int, default=40, help="random: number of steps")
     parser.add_argument("--seed", type=int, default=0, help="random: RNG seed")
+    parser.add_argument("--blocks", type=int, default=None, metavar="N",
+                        help="random: a pool of N blocks (default: the 24-block pool)")
+    parser.add_argument("--requests", type=int, default=None, metavar="N",
+                        help="random: bring N requests through the pool (runs past --steps "
+                        "until they have all arrived)")
     parser.add_argument("--no-gif", action="store_true",
                         help="skip the per-step PNGs and the GIF (the slow part)")
     parser.add_argument("--play", action="store_true",
@@ -35,15 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def record(scenario: str, steps: int = 40, seed: int = 0):
+def record(scenario: str, steps: int = 40, seed: int = 0, blocks: int | None = None,
+           requests: int | None = None):
+    """The ``RunLog`` of ``scenario``; ``steps``, ``blocks`` and ``requests`` shape ``random``."""
     from paged_jax.viz import scenarios
+
+    if scenario != "random" and (blocks is not None or requests is not None):
+        raise ValueError(f"--blocks and --requests apply to --scenario random, not {scenario!r}.")
 
     if scenario == "engine":
         from paged_jax.viz.engine_run import engine_run
 
         return engine_run(seed=seed)
     if scenario == "random":
-        return scenarios.random_run(steps=steps, seed=seed)
+        return scenarios.random_run(steps=steps, seed=seed, num_blocks=blocks,
+                                    num_requests=requests)
     return scenarios.SCENARIOS[scenario]()
 
 
@@ -84,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"paged-jax viz: cannot read {args.log}: {err}", file=sys.stderr)
             return 1
     else:
-        log = record(args.scenario, args.steps, args.seed)
+        try:
+            log = record(args.scenario, args.steps, args.seed, args.blocks, args.requests)
+        except ValueError as err:
+            print(f"paged-jax viz: {err}", file=sys.stderr)
+            return 2
     try:
         paths = write_views(log, args.out, gif=not args.no_gif, progress=not args.quiet)
     except ImportError as err:

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from paged_jax.allocator import loose, ops
-from paged_jax.allocator.state import CacheConfig, blocks_of, init_state
+from paged_jax.allocator.state import NULL_BLOCK, CacheConfig, init_state
 from paged_jax.viz.recorder import Recorder
 
 _admit = jax.jit(ops.admit)
@@ -32,12 +32,28 @@ class RecordingPool:
 
     def __init__(self, config: CacheConfig, *, scenario: str = "", title: str = "empty pool"):
         self.config = config
-        self.state = init_state(config)
+        self._state = init_state(config)
+        self._host: dict[str, np.ndarray] = {}  # host copies of state fields, per state
         self.names: dict[int, str] = {}  # active slot -> name
         self.recorder = Recorder(scenario)
         self.capture(title)
 
     # ---- bookkeeping
+    @property
+    def state(self):
+        return self._state
+
+    @state.setter
+    def state(self, state) -> None:
+        self._state = state
+        self._host = {}
+
+    def _field(self, name: str) -> np.ndarray:
+        """``state.<name>`` on the host, copied once per state (scenarios ask per request)."""
+        if name not in self._host:
+            self._host[name] = np.asarray(getattr(self._state, name))
+        return self._host[name]
+
     @property
     def log(self):
         return self.recorder.log
@@ -53,14 +69,15 @@ class RecordingPool:
         raise KeyError(f"No live request named {name!r}; live: {self.live}.")
 
     def table(self, name: str) -> list[int]:
-        return blocks_of(self.state, self.slot(name))
+        row = self._field("block_tables")[self.slot(name)]
+        return [int(b) for b in row if b != NULL_BLOCK]
 
     def length(self, name: str) -> int:
-        return int(self.state.seq_lens[self.slot(name)])
+        return int(self._field("seq_lens")[self.slot(name)])
 
     @property
     def num_free(self) -> int:
-        return int(self.state.num_free)
+        return int(self._field("num_free"))
 
     def capture(self, title: str = "") -> int:
         return self.recorder.capture(self.state, self.names, title=title)

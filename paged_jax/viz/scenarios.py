@@ -6,6 +6,8 @@ others drive the pure ops through ``RecordingPool``. Each returns a ``RunLog``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from paged_jax.allocator.facade import BlockAllocator, RequestState
@@ -131,15 +133,58 @@ def fork_cow() -> RunLog:
     return pool.log
 
 
-def random_run(steps: int = 40, seed: int = 0) -> RunLog:
+@dataclasses.dataclass(frozen=True)
+class _Workload:
+    """How busy a random run is: its pool, and how requests come and go each step."""
+
+    config: CacheConfig
+    num_requests: int | None  # stop admitting after this many; None: no limit
+    arrivals: int  # arrival attempts per step, each with probability 0.4
+    finish_p: float  # each step, a random request finishes with this probability ...
+    finish_each: bool  # ... or (at scale) every live request does, independently
+    prompt: tuple[int, int]  # prompt lengths drawn from [low, high)
+
+
+def _workload(num_blocks: int | None, num_requests: int | None) -> _Workload:
+    if num_blocks is None and num_requests is None:
+        return _Workload(SMALL_POOL, None, 1, 0.25, False, (3, 14))
+    num_blocks = SMALL_POOL.num_blocks if num_blocks is None else num_blocks
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 8:
+        raise ValueError(f"num_blocks must be an int >= 8. Got {num_blocks!r}.")
+    if num_requests is not None and (
+        isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1
+    ):
+        raise ValueError(f"num_requests must be a positive int or None. Got {num_requests!r}.")
+    # About 35 requests run at once per 2,000 blocks (arrivals / finish_p), each holding
+    # about 40 blocks (prompts up to 3/4 of a 96-block table): most of the pool is in use,
+    # and arrivals sometimes have to wait or preempt.
+    max_seqs = min(256, max(8, num_blocks // 32))
+    blocks_per_seq = max(4, min(96, num_blocks // 4))
+    config = CacheConfig(num_blocks, 4, max_seqs=max_seqs, max_blocks_per_seq=blocks_per_seq)
+    high = max(4, config.max_tokens_per_seq * 3 // 4)
+    return _Workload(config, num_requests, max(1, max_seqs // 8), 0.06, True, (3, high))
+
+
+def random_run(
+    steps: int = 40, seed: int = 0, num_blocks: int | None = None,
+    num_requests: int | None = None,
+) -> RunLog:
     """A seeded workload with every event kind: arrivals (some hitting a prefix cache),
-    decoding, forks with copy-on-write, finishes, preemption and cache eviction."""
+    decoding, forks with copy-on-write, finishes, preemption and cache eviction.
+
+    By default a 24-block pool (``SMALL_POOL``). ``num_blocks`` and/or ``num_requests`` make
+    it a run at scale: a pool of ``num_blocks`` blocks (of 4 tokens) with about one running
+    request per 32 blocks, several arrivals per step, and at least ``steps`` steps, more if
+    needed until ``num_requests`` requests have arrived.
+    """
+    work = _workload(num_blocks, num_requests)
     rng = np.random.default_rng(seed)
-    cfg = SMALL_POOL
+    cfg = work.config
     max_len = cfg.max_tokens_per_seq - cfg.block_size  # a request this long finishes
     pool = RecordingPool(cfg, scenario="random")
     alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
     counter = 0
+    arrived = 0
     cache: list[int] = []  # first blocks of finished requests, held like a prefix cache
 
     def fresh_name() -> str:  # unique over the run, so no name means two requests
@@ -161,11 +206,18 @@ def random_run(steps: int = 40, seed: int = 0) -> RunLog:
             pool.note("preempt", request=victim)
             pool.release([victim])
 
-    for step in range(1, steps):
+    def wants_more() -> bool:
+        return work.num_requests is None or arrived < work.num_requests
+
+    step = 0
+    while step + 1 < steps or (work.num_requests is not None and wants_more()):
+        step += 1
         done = []
         live = pool.live
         finishing = [n for n in live if pool.length(n) >= max_len]
-        if live and rng.random() < 0.25:
+        if work.finish_each:
+            finishing += [n for n in live if rng.random() < work.finish_p]
+        elif live and rng.random() < work.finish_p:
             finishing.append(str(rng.choice(live)))
         for finish in dict.fromkeys(finishing):
             first = pool.table(finish)[:1]
@@ -174,7 +226,9 @@ def random_run(steps: int = 40, seed: int = 0) -> RunLog:
                 cache.extend(first)
             pool.release([finish])
             done.append(f"{finish} finishes")
-        if len(pool.live) < cfg.max_seqs - 2 and rng.random() < 0.4:
+        for _ in range(work.arrivals):
+            if not (wants_more() and len(pool.live) < cfg.max_seqs - 2 and rng.random() < 0.4):
+                continue
             name = fresh_name()
             donors = [n for n in pool.live if pool.length(n) >= 2 * cfg.block_size]
             if donors and rng.random() < 0.4:
@@ -182,13 +236,15 @@ def random_run(steps: int = 40, seed: int = 0) -> RunLog:
                 pool.share_prefix([donor], [name], 1)
                 pool.note("prefix_hit", request=name)
                 done.append(f"{name} arrives, prefix hit on {donor}")
+                arrived += 1
             else:
-                prompt = int(rng.integers(3, 14))
+                prompt = int(rng.integers(*work.prompt))
                 need = -(-prompt // cfg.block_size)
                 make_room(need + len(pool.live), set(), preempt=False)
                 if pool.num_free >= need + len(pool.live):  # room to decode afterwards
                     pool.admit([name], [prompt])
                     done.append(f"{name} arrives ({prompt} tokens)")
+                    arrived += 1
         live = pool.live
         if live and len(live) < cfg.max_seqs and rng.random() < 0.15:
             parent = str(rng.choice(live))

@@ -61,8 +61,9 @@ def render_picture(log: RunLog, step: int, *, marks: bool = True) -> str:
     row = per_row or n
     lines = text.splitlines()
     out = []
+    every = block_views(snap)
     for r, start in enumerate(range(0, n, row)):
-        views = block_views(snap)[start : start + row]
+        views = every[start : start + row]
         cells = []
         for v in views:
             mark = (str(v.ref_count) if v.ref_count > 1 else "") + (PARTIAL if v.partial else "")
