@@ -151,3 +151,37 @@ def test_renders_offline_without_errors_and_saves_a_screenshot(page):
     assert [m for m in page.log["console"] if m[0] in ("error", "warning")] == []
     assert page.log["requests"] == [page.page_url], "the page made network requests"
     assert page.evaluate("performance.getEntriesByType('resource').length") == 0
+
+
+def test_page_opens_on_the_first_step_that_holds_a_block(page, seed_log):
+    fresh = page.context.new_page()
+    fresh.goto(page.page_url)
+    fresh.wait_for_selector('[data-block="0"] rect.bg[data-owner]')
+    busy = [t for t, ref in enumerate(seed_steps()) if any(r > 0 for r in ref["refs"])]
+    assert busy[0] > 0  # the seed's step 0 is the empty pool
+    assert fresh.input_value("#step") == str(busy[0])
+    assert fresh.get_attribute('[data-block="0"] rect.bg', "data-owner") == "A"
+    fresh.close()
+
+
+def test_curves_are_step_functions(page, seed_log):
+    """Each curve holds step t's value from x_t to x_t+1, then jumps vertically (the PNG's
+    ``where="post"``), at a height affine in the metric (a sloped line fails)."""
+    from paged_jax.viz.metrics import step_metrics
+
+    metrics = step_metrics(seed_log)
+    lines = page.locator("#curves polyline").all()
+    assert len(lines) == 9
+    for line in lines:
+        values = np.asarray(metrics[line.get_attribute("data-metric")])
+        pts = np.array([list(map(float, p.split(",")))
+                        for p in line.get_attribute("points").split()])
+        assert len(pts) == 2 * len(values) - 1
+        at = pts[0::2]  # (x_t, height of step t's value)
+        held = pts[1::2]  # (x_t+1, height of step t's value), before the jump
+        assert np.array_equal(held[:, 1], at[:-1, 1]), "a value is not held until the next step"
+        assert np.array_equal(held[:, 0], at[1:, 0]), "the jump is not vertical"
+        assert np.all(np.diff(at[:, 0]) > 0)
+        if np.ptp(values) > 0:
+            slope, icpt = np.polyfit(values, at[:, 1], 1)
+            assert np.allclose(slope * values + icpt, at[:, 1], atol=1e-6)

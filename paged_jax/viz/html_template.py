@@ -28,7 +28,7 @@ svg text.small { font-size: 9px; }
 #tip { position: fixed; display: none; background: #fff; border: 1px solid #888;
        padding: 4px 8px; box-shadow: 2px 2px 6px rgba(0,0,0,.2); pointer-events: none;
        white-space: pre; font: 12px monospace; }
-#tables { max-height: 520px; overflow-y: auto; }
+#tables { max-height: 520px; overflow-y: auto; contain: content; }
 #tables .req { display: flex; gap: 4px; align-items: center; margin: 3px 0; cursor: pointer;
                padding: 2px 4px; border-radius: 4px; }
 #tables .req.sel { background: #fff3b0; outline: 2px solid #000; }
@@ -39,7 +39,7 @@ svg text.small { font-size: 9px; }
                  text-overflow: ellipsis; max-width: 560px; border-left: 6px solid;
                  padding-left: 4px; }
 #free { max-width: 700px; overflow-wrap: anywhere; }
-#events { max-height: 300px; overflow-y: auto; }
+#events { max-height: 300px; overflow-y: auto; contain: content; margin: 0; }
 #curves .chart { cursor: pointer; }
 #curves .cursor { stroke: #d00; stroke-width: 1.5; }
 #legend { font-size: 12px; color: #555; max-width: 900px; }
@@ -67,7 +67,7 @@ kept outside the state. Hover a block for its owners.</div>
        <div id="free"></div></div>
   <div><h3>Curves <small>(click to jump)</small></h3><svg id="curves"></svg></div>
 </div>
-<h3>Events of this step</h3><ul id="events"></ul>
+<h3>Events of this step</h3><pre id="events"></pre>
 <h3>Terminal picture</h3><pre id="picture"></pre>
 <div id="tip"></div>
 <script id="data" type="application/json">__DATA__</script>
@@ -170,10 +170,10 @@ function drawBox(b, info, changed) {
   });
   p.band.style.display = ref > 1 ? "" : "none";
   p.ref.textContent = ref > 1 ? "x" + ref : "";
-  // 11px fits 5 characters across a 40px block, 9px fits 7.
+  // 11px fits 5 characters across a 40px block, 9px fits 6.
   const small = own.join("+").length > 5;
   p.label.setAttribute("class", small ? "label small" : "label");
-  p.label.textContent = fitLabel(own, small ? 7 : 5);
+  p.label.textContent = fitLabel(own, small ? 6 : 5);
   p.changed.style.display = changed ? "" : "none";
   p.g.classList.toggle("sel", selected !== null && own.includes(selected));
   p.g.classList.toggle("dim", selected !== null && !own.includes(selected));
@@ -382,10 +382,7 @@ function show(t) {
   else state.forEach((info, b) => drawBox(b, info, changed.has(b)));
   drawTables(step, state);
   for (const c of cursors) { c.setAttribute("x1", xOf(t)); c.setAttribute("x2", xOf(t)); }
-  const list = document.getElementById("events");
-  list.replaceChildren(...step.events.map((e) => {
-    const li = document.createElement("li"); li.textContent = e; return li;
-  }));
+  document.getElementById("events").textContent = step.events.join("\n") || "(none)";
   document.getElementById("picture").textContent = step.picture === null ?
     `(${D.numBlocks} blocks: the terminal picture is in layout.txt)` : step.picture;
 }

@@ -170,21 +170,27 @@ def center(box: Box) -> tuple[int, int]:
     return (box[0] + box[2]) // 2, (box[1] + box[3]) // 2
 
 
-def render_step_image(log: RunLog, step: int, geometry: StepGeometry | None = None) -> np.ndarray:
-    """The picture of ``step`` as an [height, width, 3] uint8 array."""
+def step_figure(log: RunLog, step: int, geometry: StepGeometry | None = None):
+    """The matplotlib ``Figure`` of ``step``: one axes whose data units are pixels."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     g = geometry or step_geometry(log)
     fig = Figure(figsize=(g.width / DPI, g.height / DPI), dpi=DPI, facecolor="white")
-    canvas = FigureCanvasAgg(fig)
+    FigureCanvasAgg(fig)
     ax = fig.add_axes((0, 0, 1, 1))
     ax.axis("off")
     _draw(ax, log, step, g)
     ax.set_xlim(0, g.width)
-    ax.set_ylim(g.height, 0)  # y grows downwards: data units are pixels
-    canvas.draw()
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+    ax.set_ylim(g.height, 0)  # y grows downwards
+    return fig
+
+
+def render_step_image(log: RunLog, step: int, geometry: StepGeometry | None = None) -> np.ndarray:
+    """The picture of ``step`` as an [height, width, 3] uint8 array."""
+    fig = step_figure(log, step, geometry)
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
 
 
 def save_step_png(log: RunLog, step: int, path: str | os.PathLike) -> None:
@@ -279,9 +285,9 @@ def _draw_boxes(ax, g: StepGeometry, views, styles, changed) -> None:
             ax.text((x0 + x1) / 2, y0 - 11, f"x{v.ref_count}", fontsize=8, fontweight="bold",
                     **TEXT)
         if v.owners:
-            # 9 pt bold fits 5 characters across a 44 px block, 6 pt fits 8.
+            # 9 pt bold fits 4 characters across a 44 px block, 6 pt fits 6.
             small = len("+".join(v.owners)) > 4
-            ax.text((x0 + x1) / 2, y0 + g.band + 9, fit_label(v.owners, 8 if small else 4),
+            ax.text((x0 + x1) / 2, y0 + g.band + 9, fit_label(v.owners, 6 if small else 4),
                     fontsize=6 if small else 9, fontweight="bold", **TEXT)
         ax.text((x0 + x1) / 2, y1 + 8, str(v.block), fontsize=8, color="#333333", **TEXT)
         if v.block in changed:
