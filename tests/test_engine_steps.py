@@ -102,7 +102,7 @@ def test_prefill_with_shared_prefix_computes_only_the_suffix(split_model):
     suffixes = prompts_of([6, 4], seed=5)
     logits, kv, state, status = prefill(
         graphdef, params, kv, state, jnp.asarray(pad_prompts(suffixes)), jnp.array([1, 2]),
-        jnp.array([6, 4]), all_logits=True,
+        jnp.array([6, 4]), jnp.array([True, True]), all_logits=True,
     )
     status.raise_if_failed()
     assert_invariants(state)
@@ -236,7 +236,9 @@ def test_tokens_outside_the_vocabulary_are_refused_inside_jit(split_model, bad_t
                                    jnp.array([3, 2]))
     assert list(np.asarray(status.code)) == [Code.NOT_APPLIED, Code.BAD_TOKEN]
     assert_same((kv, state), before)
-    with pytest.raises(ValueError, match="seq 1 .* outside the vocabulary"):
+    with pytest.raises(ValueError, match=r"prefill failed, state unchanged: seq 1 \(entry 1\) "
+                       rf"feeds token id {bad_token} at position 1; expected 0 <= token < "
+                       rf"{TINY.vocab_size} \(vocab_size\)"):
         status.raise_if_failed()
     # Only a row's first num_tokens are read: padding past them may hold anything.
     tokens[1, 1], tokens[1, 2:] = 5, bad_token
@@ -257,7 +259,11 @@ def test_tokens_outside_the_vocabulary_are_refused_inside_jit(split_model, bad_t
         assert list(np.asarray(status.code)) == [Code.NOT_APPLIED, Code.BAD_TOKEN,
                                                  Code.NOT_APPLIED, Code.NOT_APPLIED]
         assert_same((kv, state), before)
-        with pytest.raises(ValueError, match="seq 1 .* outside the vocabulary"):
+        # The id, and the position it would have been written at: slot 1's length.
+        position = 2 if run == "decode_step" else 3
+        assert int(state.seq_lens[1]) == position
+        with pytest.raises(ValueError, match=rf"{run} failed, state unchanged: seq 1 \(entry 1\)"
+                           rf" feeds token id {bad_token} at position {position}; expected"):
             status.raise_if_failed()
         feed[1] = TINY.vocab_size - 1  # the inactive rows keep their bad ids
         if run == "decode_step":
@@ -525,12 +531,67 @@ def test_bad_inputs_are_refused(split_model):
     with pytest.raises(ValueError, match="num_tokens must be a \\[batch\\]"):
         prefill(graphdef, params, kv, state, jnp.zeros((2, 4), jnp.int32), jnp.array([0, 1]),
                 jnp.array([4]))
-    # More new tokens than the row holds: reported in the status, nothing applied.
+    with pytest.raises(ValueError, match=r"extend must be a \[batch\] bool array .* Got int32"):
+        prefill(graphdef, params, kv, state, jnp.zeros((2, 4), jnp.int32), jnp.array([0, 1]),
+                jnp.array([4, 4]), jnp.array([0, 1]))
+    with pytest.raises(ValueError, match=r"The KV cache .* must hold the BlockState's 40 blocks "
+                       r"of 8 tokens"):
+        other = init_cache(TINY, CacheConfig(num_blocks=40, block_size=4, max_seqs=4,
+                                             max_blocks_per_seq=8))
+        decode_step(graphdef, params, other, state, np.zeros(4, np.int32))
+
+
+def test_prefill_refusals_name_their_values(split_model):
+    """Each refusal says which row and which numbers, and changes nothing."""
+    graphdef, params = split_model
+    kv, state = init_cache(TINY, CACHE), init_state(CACHE)  # tables hold 8 * 8 = 64 tokens
+    cases = [
+        # More new tokens than the row holds, and none at all.
+        ((2, 4), [0, 1], [4, 5], None, [Code.NOT_APPLIED, Code.BAD_NUM_TOKENS],
+         r"seq 1 \(entry 1\) brings 5 new tokens; expected 1 to 4, the width of its tokens row"),
+        ((2, 4), [0, 1], [0, 4], None, [Code.BAD_NUM_TOKENS, Code.NOT_APPLIED],
+         r"seq 0 \(entry 0\) brings 0 new tokens; expected 1 to 4"),
+        # A prompt longer than the table: the length and the table's capacity.
+        ((1, 65), [2], [65], None, [Code.BAD_LENGTH],
+         r"seq 2 \(entry 0\) would hold 65 tokens; expected 0 to 64, what its table holds "
+         r"\(max_blocks_per_seq \* block_size\)"),
+        # Extending a slot that holds nothing.
+        ((1, 4), [3], [4], [True], [Code.SEQ_INACTIVE], r"seq 3 \(entry 0\) is not active"),
+    ]
+    for shape, ids, n, extend, codes, message in cases:
+        before = snapshot((kv, state))
+        _, kv, state, status = prefill(graphdef, params, kv, state, jnp.ones(shape, jnp.int32),
+                                       jnp.array(ids), jnp.array(n),
+                                       None if extend is None else jnp.array(extend))
+        assert list(np.asarray(status.code)) == codes, message
+        assert_same((kv, state), before)
+        with pytest.raises(ValueError, match="prefill failed, state unchanged: " + message):
+            status.raise_if_failed()
+
+
+def test_prefill_into_an_occupied_slot_is_refused_unless_extending(split_model):
+    """A plain prefill into an active slot would glue a second prompt onto the first; it is
+    refused, and ``extend`` continues the sequence, equal to one prefill of both parts."""
+    graphdef, params = split_model
+    first, second = prompts_of([11, 6], seed=9)
+    kv, state = init_cache(TINY, CACHE), init_state(CACHE)
+    _, kv, state, status = prefill(graphdef, params, kv, state, jnp.asarray(first[None]),
+                                   jnp.array([1]), jnp.array([11]))
+    status.raise_if_failed()
     before = snapshot((kv, state))
-    _, kv, state, status = prefill(graphdef, params, kv, state, jnp.ones((2, 4), jnp.int32),
-                                   jnp.array([0, 1]), jnp.array([4, 5]))
-    assert list(np.asarray(status.code)) == [Code.NOT_APPLIED, Code.BAD_LENGTH]
+    _, kv, state, status = prefill(graphdef, params, kv, state, jnp.asarray(second[None]),
+                                   jnp.array([1]), jnp.array([6]))
+    assert list(np.asarray(status.code)) == [Code.SEQ_ACTIVE]
     assert_same((kv, state), before)
+    with pytest.raises(ValueError, match=r"seq 1 \(entry 0\) is already active"):
+        status.raise_if_failed()
+    logits, kv, state, status = prefill(graphdef, params, kv, state, jnp.asarray(second[None]),
+                                        jnp.array([1]), jnp.array([6]), jnp.array([True]),
+                                        all_logits=True)
+    status.raise_if_failed()
+    assert int(state.seq_lens[1]) == 17
+    ref = dense_logits(graphdef, params, np.concatenate([first, second]))
+    np.testing.assert_allclose(np.asarray(logits[0]), ref[11:], atol=TOL, rtol=0)
 
 
 def test_steps_hash_the_graphdef_once_not_per_call(split_model, monkeypatch):
@@ -555,3 +616,41 @@ def test_steps_hash_the_graphdef_once_not_per_call(split_model, monkeypatch):
         status.raise_if_failed()
     _, _, kv, state, _ = decode_steps(graphdef, params, kv, state, tokens, num_steps=2)
     assert len(calls) == 1, f"GraphDef hashed {len(calls)} times over 5 step calls"
+
+
+def test_shapes_only_the_kernel_refuses_decode_on_the_xla_path():
+    """head_dim 16 and block_size 3 are outside the Pallas kernel's tiles, not the model's:
+    every step runs them on the xla path (``auto`` falls back to it), greedy tokens equal our
+    dense pass, and ``impl="pallas"`` refuses before tracing, naming the value."""
+    small = TINY.replace(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    graphdef, params = nnx.split(init_model(small, seed=4))
+    cache = CacheConfig(num_blocks=30, block_size=3, max_seqs=2, max_blocks_per_seq=8)
+    prompts = prompts_of([5, 7], seed=11)
+
+    def greedy_reference(prompt, count):
+        seq = list(prompt)
+        for _ in range(count):
+            seq.append(int(np.argmax(dense_logits(graphdef, params, seq)[-1])))
+        return seq[len(prompt):]
+
+    expected = [greedy_reference(p, 5) for p in prompts]
+    for impl in ("xla", "auto"):
+        _, _, tokens = run_greedy(graphdef, params, small, cache, prompts, [0, 1], 4, impl=impl)
+        assert tokens.tolist() == expected, impl
+    for num_steps in (1, 2):
+        kv, state = init_cache(small, cache), init_state(cache)
+        logits, kv, state, status = prefill(graphdef, params, kv, state,
+                                            jnp.asarray(pad_prompts(prompts)), jnp.array([0, 1]),
+                                            jnp.array([5, 7]))
+        status.raise_if_failed()
+        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        toks, _, kv, state, status = decode_steps(graphdef, params, kv, state, first,
+                                                  num_steps=num_steps)
+        status.raise_if_failed()
+        got = np.concatenate([np.asarray(first)[None], np.asarray(toks)]).T
+        assert got.tolist() == [e[: num_steps + 1] for e in expected], num_steps
+        message = r"impl=\"pallas\" cannot run this shape: head_dim must be one of .* Got 16\."
+        with pytest.raises(ValueError, match=message):
+            decode_steps(graphdef, params, kv, state, first, num_steps=num_steps, impl="pallas")
+        with pytest.raises(ValueError, match=message):
+            decode_step(graphdef, params, kv, state, first, impl="pallas", interpret=True)

@@ -4,6 +4,7 @@ no-cache greedy loop over the same model."""
 import re
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from paged_jax.cli import main
@@ -11,10 +12,12 @@ from paged_jax.model import DEFAULT_MODEL, init_model
 from tests.model_helpers import dense_logits
 
 
-def test_generate_matches_dense_greedy(capsys):
+@pytest.mark.parametrize(("steps_per_dispatch", "block_size"), [(4, 8), (1, 3)])
+def test_generate_matches_dense_greedy(capsys, steps_per_dispatch, block_size):
+    # Block size 3 is one the Pallas kernel cannot take; the steps run it on the xla path.
     prompts = [[5, 17, 300, 2, 9, 44, 1], [100, 3], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]]
-    args = ["generate", "--max-new-tokens", "11", "--steps-per-dispatch", "4",
-            "--block-size", "8"]
+    args = ["generate", "--max-new-tokens", "11", "--steps-per-dispatch",
+            str(steps_per_dispatch), "--block-size", str(block_size)]
     for p in prompts:
         args += ["--prompt", " ".join(map(str, p))]
     assert main(args) == 0

@@ -295,6 +295,28 @@ def test_xla_matches_reference(block_size, group, head_dim, dtype):
     check_against_reference(case, paged_attention(*inputs(case), impl="xla"))
 
 
+@pytest.mark.parametrize(("block_size", "head_dim"), [(3, 16), (4, 16), (1, 8), (5, 24), (16, 2)])
+@pytest.mark.parametrize("impl", ["xla", "auto"])
+def test_shapes_only_the_kernel_refuses_run_on_the_xla_path(block_size, head_dim, impl):
+    # head_dim and block_size outside the kernel's tiles: "xla" takes them, "auto" falls
+    # back to it (on a GPU too), and "pallas" refuses them naming the value.
+    case = make_case(3, lengths=ragged_lengths(block_size, 4), block_size=block_size,
+                     num_kv_heads=2, group=2, head_dim=head_dim, dtype=jnp.float32,
+                     max_blocks_per_seq=4)
+    check_against_reference(case, paged_attention(*inputs(case), impl=impl))
+    with pytest.raises(ValueError, match=r'impl="pallas" cannot run this shape: (head_dim|'
+                       rf"block_size) must be one of .* Got ({head_dim}|{block_size})\."):
+        paged_attention(*inputs(case), impl="pallas", interpret=True)
+
+
+def test_batch_over_the_kernels_grid_runs_on_the_xla_path():
+    case = make_case(4, lengths=[1, 17, 5] * 180, block_size=16, num_kv_heads=1, group=2,
+                     head_dim=64, dtype=jnp.float32, max_blocks_per_seq=2)
+    check_against_reference(case, paged_attention(*inputs(case), impl="auto"))
+    with pytest.raises(ValueError, match="batch must be between 1 and 512. Got 540."):
+        paged_attention(*inputs(case), impl="pallas", interpret=True)
+
+
 @pytest.mark.parametrize("value", [np.nan, 1e30], ids=["nan", "1e30"])
 def test_xla_unreferenced_memory_is_never_seen(value):
     case = standard_case(32, 8, 128, jnp.bfloat16, seed=7)
@@ -335,15 +357,18 @@ BAD_INPUTS = [
      "Number of Q heads must be divisible by number of KV heads. Got 12 and 5."),
     (_with(v_pages=jnp.zeros((4, 10, 32, 64))), {},
      r"must have the same shape. Got \(4, 10, 16, 64\) and \(4, 10, 32, 64\)"),
-    (_with(k_pages=jnp.zeros((4, 10, 24, 64)), v_pages=jnp.zeros((4, 10, 24, 64))), {},
-     r"block_size must be one of \(8, 16, 32, 64, 128\). Got 24."),
+    (_with(k_pages=jnp.zeros((4, 10, 24, 64)), v_pages=jnp.zeros((4, 10, 24, 64))),
+     {"impl": "pallas"}, r"block_size must be one of \(8, 16, 32, 64, 128\). Got 24."),
     (_with(q=jnp.zeros((2, 12, 96)), k_pages=jnp.zeros((4, 10, 16, 96)),
-           v_pages=jnp.zeros((4, 10, 16, 96))), {},
+           v_pages=jnp.zeros((4, 10, 16, 96))), {"impl": "pallas"},
      r"head_dim must be one of \(64, 128, 256\). Got 96."),
     (_with(q=jnp.zeros((2, 12, 128))), {}, "head_dim of q must match .* Got 128 and 64."),
     (_with(q=jnp.zeros((2, 12, 64), jnp.int32)), {}, "Got int32"),
     (_with(q=jnp.zeros((2, 12, 64), jnp.bfloat16)), {}, "Got bfloat16, float32 and float32."),
-    (_with(q=jnp.zeros((513, 12, 64))), {}, "batch must be between 1 and 512. Got 513."),
+    (_with(q=jnp.zeros((513, 12, 64)), block_tables=jnp.zeros((513, 3), jnp.int32),
+           context_lens=jnp.zeros((513,), jnp.int32)), {"impl": "pallas"},
+     "batch must be between 1 and 512. Got 513."),
+    (_with(q=jnp.zeros((0, 12, 64))), {}, "batch must be at least 1. Got 0."),
     (_with(block_tables=jnp.zeros((3, 3), jnp.int32)), {}, r"Got shape \(3, 3\)"),
     (_with(block_tables=jnp.zeros((2, 3), jnp.int64 if jax.config.x64_enabled else jnp.uint32)),
      {}, "block_tables must be int32. Got u?int"),

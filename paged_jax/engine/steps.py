@@ -39,7 +39,7 @@ from paged_jax.allocator import (
 )
 from paged_jax.allocator import slot_mapping as _slot_mapping
 from paged_jax.allocator.ops import _cdiv
-from paged_jax.allocator.status import finalize
+from paged_jax.allocator.status import combine, details
 from paged_jax.kernels import paged_attention
 from paged_jax.kernels.pallas_decode import resolve_impl
 from paged_jax.kernels.reference import attend_segments, gather_context, gather_pages
@@ -86,26 +86,30 @@ def _merge(graphdef, params):
     return nnx.merge(graphdef.graphdef if isinstance(graphdef, _GraphKey) else graphdef, params)
 
 
+def check_cache(kv: KVCache, state: BlockState) -> None:
+    """Raise before tracing unless ``kv`` and ``state`` describe the same pool."""
+    cfg = state.config
+    if not isinstance(kv, KVCache):
+        raise TypeError(f"kv must be a KVCache (init_cache). Got {type(kv).__name__}.")
+    if kv.k.shape[2:4] != (cfg.num_blocks, cfg.block_size) or kv.v.shape != kv.k.shape:
+        raise ValueError(
+            f"The KV cache (k {kv.k.shape}, v {kv.v.shape}) must hold the BlockState's "
+            f"{cfg.num_blocks} blocks of {cfg.block_size} tokens in its axes 2 and 3, and k and "
+            "v must match. Build both from one CacheConfig (init_cache, init_state)."
+        )
+
+
+def step_impl(impl: str, kv: KVCache, state: BlockState) -> str:
+    """The attention ``impl`` a decode step over ``kv`` runs (``resolve_impl`` at its shapes:
+    one row per sequence slot). ``"pallas"`` on shapes the kernel cannot take raises here,
+    before tracing."""
+    return resolve_impl(impl, batch=state.config.max_seqs, head_dim=kv.k.shape[-1],
+                        block_size=state.config.block_size)
+
+
 def _select(pred, on_true, on_false):
     """Pytree-wide ``where`` on a scalar predicate (all-or-nothing state updates)."""
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
-def _first_errors(*codes, code=None):
-    """Per entry, the first real error among ``codes`` (``code``, if given, comes first),
-    through ``finalize``: returns ``(code, applied)``."""
-    code = jnp.zeros(codes[0].shape, jnp.int32) if code is None else code
-    for c in codes:
-        err = (c != Code.OK) & (c != Code.NOT_APPLIED)
-        code = jnp.where((code == Code.OK) & err, c, code)
-    return finalize(code)
-
-
-def _combine(ids, state: BlockState, op: str, *statuses: Status, code=None) -> Status:
-    """One status for several allocator ops run as one."""
-    code, _ = _first_errors(*(s.code for s in statuses), code=code)
-    requested = sum(s.requested for s in statuses)
-    return Status(code=code, ids=ids, requested=requested, num_free=state.num_free, op=op)
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,7 +117,7 @@ def _combine(ids, state: BlockState, op: str, *statuses: Status, code=None) -> S
 
 
 def _prefill(graphdef, params, kv: KVCache, state: BlockState, tokens, seq_ids, num_tokens,
-             *, all_logits: bool):
+             extend, *, all_logits: bool):
     cfg = state.config
     model = _merge(graphdef, params)
     batch, width = tokens.shape
@@ -121,25 +125,34 @@ def _prefill(graphdef, params, kv: KVCache, state: BlockState, tokens, seq_ids, 
     n = num_tokens.astype(jnp.int32)
     in_range = (ids >= 0) & (ids < cfg.max_seqs)
     safe = jnp.where(in_range, ids, 0)
-    # A row whose slot is already active (its first blocks shared or prefix-cached) extends
-    # it; any other row is admitted fresh.
-    cached_row = in_range & state.active[safe]
-    cached = jnp.where(cached_row, state.seq_lens[safe], 0)  # [B] tokens already in the cache
+    # An extending row continues its active slot (its first blocks shared or prefix-cached);
+    # every other row is admitted fresh, so a row into an occupied slot is refused
+    # (SEQ_ACTIVE) and an extending row into an empty one too (SEQ_INACTIVE).
+    cached = jnp.where(extend & in_range, state.seq_lens[safe], 0)  # [B] tokens in the cache
 
-    st, s_admit = admit(state, jnp.where(cached_row, -1, ids), jnp.where(cached_row, 0, n))
-    st, s_append = append(st, jnp.where(cached_row, ids, -1), jnp.where(cached_row, n, 0))
+    st, s_admit = admit(state, jnp.where(extend, -1, ids), jnp.where(extend, 0, n))
+    st, s_append = append(st, jnp.where(extend, ids, -1), jnp.where(extend, n, 0))
     # Only the block holding the first new token can be shared and partly filled.
-    cow_ids = jnp.where(cached_row & (cached % cfg.block_size != 0) & (n > 0), ids, -1)
+    cow_ids = jnp.where(extend & (cached % cfg.block_size != 0) & (n > 0), ids, -1)
     st, (src, dst), s_cow = copy_on_write(st, cow_ids, cached)
     # A real row must bring 1..T new tokens: more than `tokens` holds would leave cache
     # slots that nothing writes.
     bad_len = (ids != -1) & ((n < 1) | (n > width))
     # Only a row's first n tokens are read: padding past them may hold anything.
-    new = (ids != -1)[:, None] & (jnp.arange(width)[None, :] < n[:, None])  # [B, T]
-    bad_token = jnp.any(_bad_tokens(tokens, new, model.config.vocab_size), axis=1)  # [B]
-    own = jnp.where(bad_len, jnp.int32(Code.BAD_LENGTH),
-                    jnp.where(bad_token, jnp.int32(Code.BAD_TOKEN), jnp.int32(Code.OK)))
-    status = _combine(ids, state, "prefill", s_admit, s_append, s_cow, code=own)
+    col = jnp.arange(width, dtype=jnp.int32)[None, :]
+    new = (ids != -1)[:, None] & (col < n[:, None])  # [B, T]
+    bad = _bad_tokens(tokens, new, model.config.vocab_size)  # [B, T]
+    first_bad = jnp.argmax(bad, axis=1)  # [B] column of the row's first bad id
+    own = jnp.where(bad_len, jnp.int32(Code.BAD_NUM_TOKENS),
+                    jnp.where(jnp.any(bad, axis=1), jnp.int32(Code.BAD_TOKEN), jnp.int32(Code.OK)))
+    value, limit, at = details(own, {
+        Code.BAD_NUM_TOKENS: (n, width, None),
+        Code.BAD_TOKEN: (tokens[jnp.arange(batch), first_bad], model.config.vocab_size,
+                         cached + first_bad),
+    })
+    own = Status(code=own, ids=ids, value=value, limit=limit, at=at, requested=0,
+                 num_free=state.num_free, op="prefill")
+    status = combine(ids, state.num_free, "prefill", s_admit, s_append, s_cow, own=own)
     ok = status.applied
     state = _select(ok, st, state)
     kv = copy_blocks(kv, jnp.where(ok, src, -1), dst)
@@ -189,18 +202,30 @@ def prefill(
     state: BlockState,  # donated
     tokens: jax.Array,  # [B, T] int32, row b's new tokens left-aligned, padded past num_tokens
     seq_ids: jax.Array,  # [B] int32 sequence slots, -1 = padding row
-    num_tokens: jax.Array,  # [B] int32 new tokens per row (>= 1 for real rows)
+    num_tokens: jax.Array,  # [B] int32 new tokens per row, 1 <= n <= T for real rows
+    extend: jax.Array | None = None,  # [B] bool rows that continue an active slot; None: none
     *,
     all_logits: bool = False,
 ) -> tuple[jax.Array, KVCache, BlockState, Status]:
     """Run a ragged batch of prompts, write their K/V into their blocks.
 
-    A row whose slot is inactive is admitted with ``num_tokens`` tokens. A row whose slot is
-    already active (after ``share_prefix`` or a prefix-cache hit) holds ``seq_len`` cached
-    tokens: only its new tokens are computed, at positions ``seq_len, seq_len + 1, ...``,
-    attending over the cached blocks (a shared, partly filled last block is copied first).
-    A row whose first ``num_tokens`` tokens hold an id outside ``[0, vocab_size)`` refuses
-    the call (``BAD_TOKEN``); padding past them is never read.
+    A row is admitted into its inactive slot with ``num_tokens`` tokens, unless ``extend``
+    marks it: an extending row continues the active sequence in its slot (after
+    ``share_prefix``, a prefix-cache hit, or an earlier chunk of the same prompt), which
+    holds ``seq_len`` cached tokens. Only its new tokens are computed, at positions
+    ``seq_len, seq_len + 1, ...``, attending over the cached blocks (a shared, partly filled
+    last block is copied first).
+
+    The call is refused as a whole (cache and state unchanged; ``status`` names the row and
+    the numbers) when a row:
+
+    * goes into an active slot without ``extend`` (``SEQ_ACTIVE``: a scheduler that lost
+      track of a slot would otherwise glue two prompts together), or extends an inactive one
+      (``SEQ_INACTIVE``);
+    * brings ``num_tokens`` outside ``1..T`` (``BAD_NUM_TOKENS``);
+    * would outgrow its table (``BAD_LENGTH``), or the pool (``OUT_OF_BLOCKS``);
+    * holds an id outside ``[0, vocab_size)`` among its first ``num_tokens`` tokens
+      (``BAD_TOKEN``, with the id and its position); padding past them is never read.
 
     Returns:
       ``(logits, kv, state, status)``: logits ``[B, V]`` f32 at each row's last new token
@@ -218,8 +243,15 @@ def prefill(
                 f"{name} must be a [batch] int array with batch = {tokens.shape[0]}. "
                 f"Got {x.dtype}{x.shape}."
             )
+    extend = jnp.zeros(tokens.shape[:1], bool) if extend is None else jnp.asarray(extend)
+    if extend.shape != tokens.shape[:1] or extend.dtype != jnp.bool_:
+        raise ValueError(
+            f"extend must be a [batch] bool array with batch = {tokens.shape[0]}, or None. "
+            f"Got {extend.dtype}{extend.shape}."
+        )
+    check_cache(kv, state)
     return _prefill_jit(_key(graphdef), params, kv, state, tokens, seq_ids, num_tokens,
-                        all_logits=all_logits)
+                        extend, all_logits=all_logits)
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,7 +279,7 @@ def _check_decode_tokens(tokens, state: BlockState) -> None:
     _GOOD_TOKENS.add(seen)
 
 
-def _claim(kv: KVCache, state: BlockState, mask, num_steps: int):
+def _claim(kv: KVCache, state: BlockState, mask, num_steps: int, op: str = "decode_step"):
     """The bookkeeping of ``num_steps`` decode steps for every row in ``mask``: the rows grow
     by ``num_steps`` tokens (``append``, or ``reserve_steps`` for several), and a row's first
     write, at its old length, is made private by copy-on-write if it lands in a shared block
@@ -270,7 +302,7 @@ def _claim(kv: KVCache, state: BlockState, mask, num_steps: int):
 
     def fast(st, kv):  # nothing can fail: no select against the input state is needed
         st = st.replace(seq_lens=jnp.where(mask, positions + num_steps, positions))
-        return st, kv, jnp.zeros_like(ids), jnp.int32(0)
+        return st, kv, _no_failure(ids, state, op)
 
     def slow(st, kv):
         if num_steps == 1:
@@ -284,25 +316,21 @@ def _claim(kv: KVCache, state: BlockState, mask, num_steps: int):
         def cow(st, kv):
             st, (src, dst), s_cow = copy_on_write(st, ids, positions)
             src = jnp.where(s_grow.applied & s_cow.applied, src, -1)
-            return st, copy_blocks(kv, src, dst), s_cow.code, s_cow.requested
+            return st, copy_blocks(kv, src, dst), s_cow
 
         def no_cow(st, kv):
-            return st, kv, jnp.zeros_like(ids), jnp.int32(0)
+            return st, kv, _no_failure(ids, st, "copy_on_write")
 
-        st, kv, cow_code, cow_requested = jax.lax.cond(
-            jnp.any(shared_write(st)), cow, no_cow, st, kv
-        )
-        code, applied = _first_errors(s_grow.code, cow_code)
-        return _select(applied, st, state), kv, code, s_grow.requested + cow_requested
+        st, kv, s_cow = jax.lax.cond(jnp.any(shared_write(st)), cow, no_cow, st, kv)
+        status = combine(ids, state.num_free, op, s_grow, s_cow)
+        return _select(status.applied, st, state), kv, status
 
     # A row needs the allocator iff it gets a new block (this includes every error: an
     # inactive slot is never in `mask`, and a row at its table's end needs a block it cannot
     # have) or its first write lands in a shared block.
     new_block = _cdiv(positions + num_steps, bs) > _cdiv(positions, bs)
     needed = jnp.any(mask & new_block) | jnp.any(shared_write(state))
-    st, kv, code, requested = jax.lax.cond(needed, slow, fast, state, kv)
-    status = Status(code=code, ids=ids, requested=requested, num_free=state.num_free,
-                    op="decode_step")
+    st, kv, status = jax.lax.cond(needed, slow, fast, state, kv)
     return kv, st, status
 
 
@@ -312,18 +340,27 @@ def _bad_tokens(tokens, live, vocab_size: int):
     return live & ((tokens < 0) | (tokens >= vocab_size))
 
 
+def _no_failure(ids, state: BlockState, op: str = "") -> Status:
+    """A status in which every entry succeeded and nothing was requested."""
+    return Status(code=jnp.zeros_like(ids), ids=ids, requested=0, num_free=state.num_free,
+                  op=op)
+
+
 def _claim_feeding(kv: KVCache, state: BlockState, tokens, mask, num_steps: int,
-                   vocab_size: int):
+                   vocab_size: int, op: str):
     """``_claim`` for rows that feed ``tokens`` ([S]): refused as a whole, state and cache
     unchanged, when a row in ``mask`` feeds a token outside the vocabulary (``BAD_TOKEN``;
     every other row ``NOT_APPLIED``). A step that did not run emits -1, so a serving loop
     that feeds that back without looking gets a refusal, never a step over garbage: it can
     check the emitted tokens when it streams them rather than after every dispatch."""
     bad = _bad_tokens(tokens, mask, vocab_size)  # [S]
-    kv, new_state, status = _claim(kv, state, mask & ~jnp.any(bad), num_steps)
-    own = jnp.where(bad, jnp.int32(Code.BAD_TOKEN), jnp.int32(Code.OK))
+    kv, new_state, status = _claim(kv, state, mask & ~jnp.any(bad), num_steps, op)
     ids = jnp.where(mask, jnp.arange(mask.shape[0], dtype=jnp.int32), -1)
-    return kv, new_state, _combine(ids, state, "decode_step", status, code=own)
+    code = jnp.where(bad, jnp.int32(Code.BAD_TOKEN), jnp.int32(Code.OK))
+    value, limit, at = details(code, {Code.BAD_TOKEN: (tokens, vocab_size, state.seq_lens)})
+    own = Status(code=code, ids=ids, value=value, limit=limit, at=at, requested=0,
+                 num_free=state.num_free, op=op)
+    return kv, new_state, combine(ids, state.num_free, op, status, own=own)
 
 
 def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, attention,
@@ -368,7 +405,8 @@ def _paged(state: BlockState, positions, live, impl, interpret):
 def _decode(model, kv: KVCache, state: BlockState, tokens, mask, impl: str, interpret: bool):
     """One token for every row in ``mask`` (a [max_seqs] bool); see ``decode_step``."""
     positions = state.seq_lens
-    kv, state, status = _claim_feeding(kv, state, tokens, mask, 1, model.config.vocab_size)
+    kv, state, status = _claim_feeding(kv, state, tokens, mask, 1, model.config.vocab_size,
+                                       "decode_step")
     live = mask & status.applied
     logits, kv, _ = _forward(model, kv, state, tokens, positions, live,
                              _paged(state, positions, live, impl, interpret))
@@ -406,6 +444,8 @@ def decode_step(
     step that did not run emits) refuses the step: ``BAD_TOKEN``, cache and state unchanged.
     """
     _check_decode_tokens(tokens, state)
+    check_cache(kv, state)
+    step_impl(impl, kv, state)
     return _decode_step_jit(
         _key(graphdef), params, kv, state, tokens, impl=impl, interpret=interpret
     )
@@ -485,9 +525,9 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
     start = state.seq_lens  # [S]
     tokens = tokens.astype(jnp.int32)
     kv, state, status = _claim_feeding(kv, state, tokens, mask, num_steps,
-                                       model.config.vocab_size)
+                                       model.config.vocab_size, "decode_steps")
     live = mask & status.applied
-    if (num_steps > 1 and resolve_impl(impl) == "xla"
+    if (num_steps > 1 and step_impl(impl, kv, state) == "xla"
             and _hoisted_bytes(kv, state) <= HOIST_MAX_BYTES):
         step, extra = _hoisted(model, kv, state, start, live, num_steps)
     else:
@@ -567,6 +607,8 @@ def decode_steps(
     _check_decode_tokens(tokens, state)
     if not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int. Got {num_steps!r}.")
+    check_cache(kv, state)
+    step_impl(impl, kv, state)
     # A Python 0 compiles a greedy-only scan; any other value (or an array) can sample.
     sample = not (isinstance(temperature, (int, float)) and temperature == 0)
     if not sample:

@@ -254,17 +254,13 @@ def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, impl, sm_scal
         raise ValueError(
             f"head_dim of q must match that of k_pages/v_pages. Got {head_dim} and {head_dim_kv}."
         )
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}. Got {head_dim}.")
-    if block_size not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}. Got {block_size}.")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(
             "Number of Q heads must be divisible by number of KV heads. Got "
             f"{num_q_heads} and {num_kv_heads}."
         )
-    if not 1 <= batch <= MAX_BATCH:
-        raise ValueError(f"batch must be between 1 and {MAX_BATCH}. Got {batch}.")
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1. Got {batch}.")
     if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
         raise ValueError(
             f"block_tables must be [batch={batch}, max_blocks_per_seq >= 1]. "
@@ -333,10 +329,34 @@ def _resolve_tuning(q, k_pages, block_tables, tuning: dict) -> dict:
     return dict(block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
-def resolve_impl(impl: str) -> str:
-    """``"auto"`` is ``"pallas"`` on a GPU backend and ``"xla"`` elsewhere; others as given."""
+def pallas_unsupported(batch: int, head_dim: int, block_size: int) -> str | None:
+    """Why the Pallas kernel cannot take these shapes (a sentence naming the values), or None.
+
+    The xla path takes any of them; only the kernel's tiles constrain them: ``tl.dot`` needs
+    tiles of at least 16 rows and power-of-2 sizes, so ``head_dim`` must be one of
+    ``SUPPORTED_HEAD_DIMS`` and ``block_size`` one of ``SUPPORTED_BLOCK_SIZES``; the grid
+    holds at most ``MAX_BATCH`` sequences."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim must be one of {SUPPORTED_HEAD_DIMS}. Got {head_dim}."
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        return f"block_size must be one of {SUPPORTED_BLOCK_SIZES}. Got {block_size}."
+    if not 1 <= batch <= MAX_BATCH:
+        return f"batch must be between 1 and {MAX_BATCH}. Got {batch}."
+    return None
+
+
+def resolve_impl(impl: str, *, batch: int, head_dim: int, block_size: int) -> str:
+    """The implementation that runs: ``"auto"`` is ``"pallas"`` on a GPU backend when the
+    kernel takes the shapes (``pallas_unsupported``), ``"xla"`` otherwise; ``"pallas"`` on
+    shapes the kernel cannot take raises ``ValueError`` naming them; ``"xla"`` as given."""
+    if impl not in ("auto", "pallas", "xla"):
+        raise ValueError(f"impl must be 'auto', 'pallas' or 'xla'. Got {impl!r}.")
+    reason = pallas_unsupported(batch, head_dim, block_size)
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        return "pallas" if jax.default_backend() == "gpu" and reason is None else "xla"
+    if impl == "pallas" and reason is not None:
+        raise ValueError(f'impl="pallas" cannot run this shape: {reason} impl="xla" (or '
+                         f'"auto", which falls back to it) takes any head_dim and block_size.')
     return impl
 
 
@@ -366,7 +386,8 @@ def paged_attention(
         such entries into the pool, and masks what it read.
       context_lens: int32 ``[batch]``; 0 gives a zero output.
       impl: ``"pallas"`` (the kernel), ``"xla"`` (gather + masked softmax in ``jnp``) or
-        ``"auto"`` (pallas on GPU, xla elsewhere).
+        ``"auto"`` (pallas on GPU for the shapes the kernel takes, xla otherwise; see
+        ``pallas_unsupported``). The xla path takes any ``head_dim`` and ``block_size``.
       interpret: run the Pallas kernel in interpret mode (CPU-capable, slow).
       sm_scale: softmax scale, ``1 / sqrt(head_dim)`` by default.
       layer: a Python int. With it, ``k_pages``/``v_pages`` are the whole multi-layer cache,
@@ -381,12 +402,14 @@ def paged_attention(
         ``num_stages``.
 
     Raises:
-      ValueError: on unsupported shapes, dtypes or options, before anything is traced.
+      ValueError: on malformed shapes, dtypes or options, or ``impl="pallas"`` on shapes the
+        kernel cannot take, before anything is traced.
     """
     _check_inputs(q, k_pages, v_pages, block_tables, context_lens, impl, sm_scale, layer)
+    batch, _, head_dim = q.shape
+    impl = resolve_impl(impl, batch=batch, head_dim=head_dim, block_size=k_pages.shape[-2])
     knobs = _resolve_tuning(q, k_pages, block_tables, tuning)
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    impl = resolve_impl(impl)
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     if impl == "xla":
         if layer is not None:  # the slice fuses into the xla path's gather: no copy
             k_pages, v_pages = k_pages[layer], v_pages[layer]
