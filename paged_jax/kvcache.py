@@ -36,10 +36,19 @@ class KVCache:
 
 
 def init_cache(model: ModelConfig, cache: CacheConfig, dtype=None, fill: float = 0.0) -> KVCache:
-    """Zeroed (or ``fill``-ed, e.g. NaN to poison) K/V buffers for ``cache.num_blocks`` blocks."""
+    """Zeroed (or ``fill``-ed, e.g. NaN to poison) K/V buffers for ``cache.num_blocks`` blocks.
+
+    ``dtype``, if given, must be the model's: the steps attend with queries in the model's
+    dtype, and both attention paths take q, k and v in one dtype. A mismatch fails here, not
+    when a step is traced."""
     shape = (model.num_layers, model.num_kv_heads, cache.num_blocks, cache.block_size,
              model.head_dim)
-    dtype = jnp.dtype(dtype or model.dtype)
+    if dtype is not None and jnp.dtype(dtype) != model.jnp_dtype:
+        raise ValueError(
+            f"init_cache: the cache dtype must be the model's ({model.dtype}): attention reads "
+            f"queries, keys and values in one dtype. Got {jnp.dtype(dtype).name}."
+        )
+    dtype = model.jnp_dtype
     return KVCache(k=jnp.full(shape, fill, dtype), v=jnp.full(shape, fill, dtype))
 
 

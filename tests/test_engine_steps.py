@@ -583,7 +583,8 @@ def test_prefill_into_an_occupied_slot_is_refused_unless_extending(split_model):
                                    jnp.array([1]), jnp.array([6]))
     assert list(np.asarray(status.code)) == [Code.SEQ_ACTIVE]
     assert_same((kv, state), before)
-    with pytest.raises(ValueError, match=r"seq 1 \(entry 0\) is already active"):
+    with pytest.raises(ValueError, match=r"seq 1 \(entry 0\) is already active; expected a "
+                       r"free \(inactive\) slot \(mark the row in extend to continue"):
         status.raise_if_failed()
     logits, kv, state, status = prefill(graphdef, params, kv, state, jnp.asarray(second[None]),
                                         jnp.array([1]), jnp.array([6]), jnp.array([True]),

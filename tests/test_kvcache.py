@@ -29,6 +29,10 @@ def test_init_cache_layout():
     assert kv.k.shape == (2, 2, 6, 8, 64) == kv.v.shape  # [L, Hkv, blocks, block_size, D]
     assert kv.k.dtype == jnp.float32 and bool(jnp.isnan(kv.k).all())
     assert init_cache(TINY.replace(dtype="bfloat16"), CACHE).k.dtype == jnp.bfloat16
+    assert init_cache(TINY, CACHE, dtype="float32").k.dtype == jnp.float32
+    # A cache in another dtype than the model's could never be attended: refused here.
+    with pytest.raises(ValueError, match=r"must be the model's \(float32\).*Got bfloat16"):
+        init_cache(TINY, CACHE, dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("layer", [0, 1])

@@ -60,6 +60,12 @@ _EXPLAIN = {
 }
 
 
+# Said after the explanation for one op's code, where that op offers a way out.
+_HINTS = {
+    ("prefill", Code.SEQ_ACTIVE): " (mark the row in extend to continue its sequence)",
+}
+
+
 class OutOfBlocksError(RuntimeError):
     """The pool cannot satisfy a request. The state is left exactly as it was."""
 
@@ -128,6 +134,7 @@ class Status(Packed):
         for i, (c, sid) in enumerate(zip(codes, ids, strict=True)):
             if c not in (Code.OK, Code.NOT_APPLIED):
                 text = _EXPLAIN[Code(c)].format(value=value[i], limit=limit[i], at=at[i], entry=i)
+                text += _HINTS.get((self.op, Code(c)), "")
                 lines.append(f"{what} {sid} (entry {i}) {text}")
         return lines
 
