@@ -4,10 +4,9 @@ Each step takes the model as ``(graphdef, params)`` from ``nnx.split`` (the grap
 the parameters are arguments, never constants in the HLO), the paged ``KVCache`` and the
 allocator's ``BlockState``, and returns them updated. ``params`` may be the ``nnx.State`` or,
 cheaper per call, its plain nested dict ``nnx.to_pure_dict(params)``: jit flattens its
-arguments on every call, about 30 us for the ``nnx.State`` of a 2-layer model (a Python
-callback per variable) against 6 us for the dict. A serving loop converts once. The cache
-and the state are donated: XLA updates them in place and the caller's input arrays are
-deleted.
+arguments on every call, and an ``nnx.State`` flattens through a Python callback per
+variable where the dict needs none. A serving loop converts once. The cache and the state
+are donated: XLA updates them in place and the caller's input arrays are deleted.
 
 Row ``s`` of a step's batch is sequence slot ``s`` of the ``BlockState``. Everything that
 varies between calls (which rows are active, their lengths, their tables) is an array, so one
@@ -53,8 +52,9 @@ class _GraphKey:
     """A ``GraphDef`` as a static jit argument, hashed once.
 
     jit hashes its static arguments on every call, and ``hash(graphdef)`` walks the whole
-    graph: about 0.3 ms for a 2-layer model, more than a batch-1 decode step of a small model.
-    The public steps pass ``_key(graphdef)`` instead, so the walk happens once per graph.
+    graph, which can cost more than a small model's decode step. The public steps pass
+    ``_key(graphdef)`` instead, so the walk happens once per graph
+    (``test_steps_hash_the_graphdef_once_not_per_call``).
     """
 
     __slots__ = ("graphdef", "_hash")
@@ -262,8 +262,8 @@ _GOOD_TOKENS: set = set()  # (shape, dtype, max_seqs) already accepted
 
 
 def _check_decode_tokens(tokens, state: BlockState) -> None:
-    # Runs on the host before every dispatch, where any work costs several times what it
-    # costs alone: the full test takes 2.7 us (timeit), a combination seen before 1.1 us.
+    # Runs on the host before every dispatch, so a (shape, dtype, max_seqs) accepted once is
+    # not tested again; test_bad_inputs_are_refused checks that others are still refused.
     dtype = getattr(tokens, "dtype", None)
     if dtype is None:
         tokens = np.asarray(tokens)
@@ -486,8 +486,8 @@ def _hoisted(model, kv, state, start, live, num_steps):
     ``start`` tokens the rows held before this dispatch) is gathered and masked once, up front.
     Step ``t`` writes its K/V to the pool (``_forward``) and also keeps them in ``extra``
     (``[layers, rows, kv_heads, K, head_dim]`` keys and values); it attends over the gathered
-    context plus the kept tokens ``0..t``. On XLA:CPU a gather costs more than the attention
-    it feeds, so this makes one gather per layer per dispatch instead of K.
+    context plus the kept tokens ``0..t``: one gather per layer per dispatch instead of K,
+    which is what makes K steps per dispatch pay on the xla path (``paged-jax bench decode``).
     """
     layers, heads, _, _, head_dim = kv.k.shape
     rows = start.shape[0]
@@ -557,7 +557,7 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
 
 @functools.cache
 def _default_key() -> jax.Array:
-    """``jax.random.key(0)``, made once: making it is a dispatch of its own (about 150 us)."""
+    """``jax.random.key(0)``, made once: making a key is a dispatch of its own."""
     return jax.random.key(0)
 
 

@@ -28,9 +28,8 @@ def gather_pages(
     An entry that names no block (-1, or out of range) is clamped into the pool: its tokens
     hold some other block's data, and the caller must mask them (both callers do: a dead
     key's logit becomes -inf, a dead value is zeroed). Clamping, not a gather in ``fill``
-    mode, because the fill adds a select to every element, and the gather copies whole
-    ``block_size * head_dim`` rows straight into the output layout: together about 5x
-    faster on XLA:CPU than a gather of the 4-D pages followed by a transpose.
+    mode, because the fill adds a select to every element; and the gather copies whole
+    ``block_size * head_dim`` rows straight into the output layout, so no transpose follows.
     """
     heads, num_blocks, block_size, head_dim = pages.shape
     batch, max_blocks = tables.shape
@@ -87,8 +86,8 @@ def attend_segments(
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = segments[0][0].shape[1]
     q_grouped = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    # Keys times queries ("bksd,bkgd"), not queries times keys: on XLA:CPU the long axis as
-    # the matmul's M runs about 2.5x faster for decode's few query rows.
+    # Keys times queries ("bksd,bkgd"), not queries times keys: with decode's few query
+    # rows, XLA:CPU's matmul wants the long (key) axis as its M dimension.
     logits = [
         jnp.where(
             live[:, None, :, None],
