@@ -27,7 +27,7 @@ def random_fields(seed: int) -> dict[str, np.ndarray]:
 def test_fields_read_back_as_written(seed):
     fields = random_fields(seed)
     state = BlockState(**fields, config=CFG)
-    assert len(jax.tree.leaves(state)) == 1
+    assert len(jax.tree.leaves(state)) == 2  # per-block arrays, per-sequence arrays
     for name, expected in fields.items():
         got = np.asarray(getattr(state, name))
         assert got.dtype == expected.dtype and got.shape == expected.shape, name
@@ -59,14 +59,15 @@ def test_status_is_packed_too():
 def test_bad_input_names_the_field_and_changes_nothing():
     fields = random_fields(5)
     state = BlockState(**fields, config=CFG)
-    before = np.asarray(state.buffer).copy()
+    before = [np.asarray(b).copy() for b in state.buffers]
     with pytest.raises(ValueError, match=r"BlockState.block_tables must have shape \(3, 5\)"):
         state.replace(block_tables=np.zeros((3, 4), np.int32))
     with pytest.raises(TypeError, match="no field 'seq_len'"):
         state.replace(seq_len=fields["seq_lens"])
     with pytest.raises(AttributeError, match="immutable"):
         state.seq_lens = fields["seq_lens"]
-    np.testing.assert_array_equal(np.asarray(state.buffer), before)
+    for buffer, old in zip(state.buffers, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(buffer), old)
     with pytest.raises(ValueError, match=r"BlockState.free_head must have shape \(\)"):
         BlockState(**{**fields, "free_head": np.zeros(2, np.int32)}, config=CFG)
     with pytest.raises(TypeError, match=r"Missing or unexpected: \['held'\]"):
@@ -77,11 +78,11 @@ def test_bad_input_names_the_field_and_changes_nothing():
 
 def test_donated_replace_is_in_place():
     state = init_state(CFG)
-    pointer = state.buffer.unsafe_buffer_pointer()
+    pointers = [b.unsafe_buffer_pointer() for b in state.buffers]
     bump = jax.jit(lambda s: s.replace(seq_lens=s.seq_lens + 1), donate_argnums=0)
     new = bump(state)
-    assert state.buffer.is_deleted()
-    assert new.buffer.unsafe_buffer_pointer() == pointer
+    assert all(b.is_deleted() for b in state.buffers)
+    assert [b.unsafe_buffer_pointer() for b in new.buffers] == pointers
     np.testing.assert_array_equal(np.asarray(new.seq_lens), [1, 1, 1])
 
 

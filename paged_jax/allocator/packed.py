@@ -1,15 +1,23 @@
-"""Named integer arrays that cross a jit boundary as one buffer.
+"""Named integer arrays that cross a jit boundary as a few buffers.
 
-A jitted call pays for every array that goes in or comes out: on XLA:CPU about 2.5 µs each
+A jitted call pays for every array that goes in or comes out: on XLA:CPU a few µs each
 (argument parsing, buffer bookkeeping, one Python object per output). The allocator's state is
-eight arrays and an op's ``Status`` four, so a decode step that took and returned both used to
-move 20 arrays for its bookkeeping alone, against 2 for a contiguous cache's lengths (in and
-out). Packed, they are 3.
+eight arrays and an op's ``Status`` seven; packed, a decode step moves a handful of buffers
+instead of 30 arrays for its bookkeeping.
 
-A subclass lists its fields; each is still read by name (``state.block_tables``), as a static
-slice of the int32 buffer (a bitcast inside jit, one small dispatch eagerly). ``replace``
-writes fields back with ``dynamic_update_slice``, which XLA performs in place when the old
-buffer is dead (donated, or not read again). Bool fields are stored as 0/1.
+A subclass lists its fields, stored back to back in one int32 buffer per *group*; each is still
+read by name (``state.block_tables``), as a static slice of its buffer (a bitcast inside jit,
+one small dispatch eagerly). ``replace`` writes fields back with ``dynamic_update_slice`` and
+``scatter`` scatters into the buffer, both in place when the old buffer is dead (donated, or
+not read again). Bool fields are stored as 0/1.
+
+Why groups: XLA updates a buffer in place only if every read of its old version is ordered
+before the write, and it fuses small reads (an old length, an old count) into whichever later
+computation uses them. Such a late read costs a copy of the whole buffer it lives in. A class
+whose fields differ in size by orders of magnitude (per-block against per-sequence arrays)
+therefore keeps the large ones in their own group, which the ops write only through scatters
+whose operands were read beforehand, so that those copies, where XLA still makes them, cost
+O(batch) and not O(pool).
 """
 
 from __future__ import annotations
@@ -24,33 +32,46 @@ from jax import lax
 
 
 @functools.cache
-def _layout(shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int], ...]:
-    """``(offset, size)`` of each field, back to back in field order."""
-    out, offset = [], 0
-    for shape in shapes:
+def _layout(shapes: tuple[tuple[int, ...], ...], groups: tuple[int, ...]):
+    """``(group, offset, size)`` of each field: back to back, in field order, in its group."""
+    out, offsets = [], [0] * (max(groups, default=0) + 1)
+    for shape, group in zip(shapes, groups, strict=True):
         size = math.prod(shape)
-        out.append((offset, size))
-        offset += size
+        out.append((group, offsets[group], size))
+        offsets[group] += size
     return tuple(out)
 
 
 class Packed:
-    """Base class: fields stored back to back in one int32 ``buffer``; static metadata beside.
+    """Base class: fields stored back to back in int32 ``buffers`` (one per group); static
+    metadata beside.
 
-    A subclass sets ``FIELDS`` (``(name, dtype)`` pairs, int32 or bool), ``STATIC`` (names of
-    hashable, never-traced attributes, part of the pytree structure) and ``_shapes()`` (the
-    shape of each field, from the statics and ``buffer.shape``). It is then a pytree with the
-    one leaf ``buffer``, built from keywords like a dataclass: ``Cls(field=..., static=...)``.
+    A subclass sets ``FIELDS`` (``(name, dtype)`` pairs, int32 or bool), optionally
+    ``GROUPS`` (a tuple of field-name tuples partitioning ``FIELDS``; by default one group),
+    ``STATIC`` (names of hashable, never-traced attributes, part of the pytree structure) and
+    ``_shapes()`` (the shape of each field, from the statics and the buffers' shapes). It is
+    then a pytree with one leaf per group, built from keywords like a dataclass:
+    ``Cls(field=..., static=...)``.
     """
 
     FIELDS: ClassVar[tuple[tuple[str, Any], ...]] = ()
+    GROUPS: ClassVar[tuple[tuple[str, ...], ...]] = ()
     STATIC: ClassVar[tuple[str, ...]] = ()
+    _GROUP_OF: ClassVar[tuple[int, ...]] = ()
     # The statics live in one tuple, which is the pytree's aux data as it is: flattening and
     # unflattening (once per jitted call for each state in and out) then do no per-name work.
-    __slots__ = ("buffer", "_static")
+    __slots__ = ("buffers", "_static")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        names = [name for name, _ in cls.FIELDS]
+        groups = cls.GROUPS or (tuple(names),)
+        listed = [name for group in groups for name in group]
+        if sorted(listed) != sorted(names):
+            raise TypeError(f"{cls.__name__}.GROUPS must list each field once. Got {groups}.")
+        cls._GROUP_OF = tuple(
+            next(g for g, group in enumerate(groups) if name in group) for name in names
+        )
         for index, (name, dtype) in enumerate(cls.FIELDS):
             setattr(cls, name, property(functools.partial(_read, index=index, dtype=dtype)))
         for index, name in enumerate(cls.STATIC):
@@ -67,21 +88,33 @@ class Packed:
             )
         _SET_STATIC(self, tuple(kwargs[name] for name in self.STATIC))
         values = [jnp.asarray(kwargs[name]) for name in names]
-        buffer = jnp.concatenate([v.astype(jnp.int32).reshape(-1) for v in values])
-        _SET_BUFFER(self, buffer)
+        flat = [v.astype(jnp.int32).reshape(-1) for v in values]
+        _SET_BUFFERS(self, tuple(
+            jnp.concatenate([f for f, g in zip(flat, self._GROUP_OF, strict=True) if g == group])
+            for group in range(max(self._GROUP_OF) + 1)
+        ))
         for name, value, shape in zip(names, values, self._shapes(), strict=True):
             self._check_shape(name, value, shape)
+
+    @property
+    def buffer(self) -> jax.Array:
+        """The one buffer of a single-group class."""
+        if len(self.buffers) != 1:
+            raise AttributeError(f"{type(self).__name__} has {len(self.buffers)} buffers.")
+        return self.buffers[0]
 
     def _shapes(self) -> tuple[tuple[int, ...], ...]:
         raise NotImplementedError
 
-    def _field(self, name: str) -> tuple[int, tuple[int, ...]]:
-        """``(offset, shape)`` of the field ``name`` in the buffer."""
+    def _field(self, name: str) -> tuple[int, int, tuple[int, ...]]:
+        """``(group, offset, shape)`` of the field ``name``."""
         names = [field for field, _ in self.FIELDS]
         if name not in names:
             raise TypeError(f"{type(self).__name__} has no field {name!r}; fields: {names}.")
         index = names.index(name)
-        return _layout(self._shapes())[index][0], self._shapes()[index]
+        shapes = self._shapes()
+        group, offset, _ = _layout(shapes, self._GROUP_OF)[index]
+        return group, offset, shapes[index]
 
     def _check_shape(self, name: str, value: jax.Array, shape: tuple[int, ...]) -> None:
         if value.shape != shape:
@@ -91,14 +124,14 @@ class Packed:
 
     def replace(self, **changes) -> Packed:
         """A copy with the named fields replaced (each must keep its shape)."""
-        buffer = self.buffer
+        buffers = list(self.buffers)
         for name, value in changes.items():
-            offset, shape = self._field(name)
+            group, offset, shape = self._field(name)
             value = jnp.asarray(value)
             self._check_shape(name, value, shape)
             flat = value.astype(jnp.int32).reshape(-1)
-            buffer = lax.dynamic_update_slice_in_dim(buffer, flat, offset, axis=0)
-        return self._with_buffer(buffer)
+            buffers[group] = lax.dynamic_update_slice_in_dim(buffers[group], flat, offset, 0)
+        return self._unflatten(self._static, buffers)
 
     def scatter(self, name: str, index, values, op: str = "set") -> Packed:
         """``replace(name=field.at[index].<op>(values, mode="drop"))``, scattered straight into
@@ -108,7 +141,7 @@ class Packed:
         per dimension. An entry with any coordinate out of range is dropped; negative ones too
         (callers send what they skip past the end, never to ``-1``). ``op``: "set" or "add".
         """
-        offset, shape = self._field(name)
+        group, offset, shape = self._field(name)
         if op not in ("set", "add"):
             raise ValueError(f"op must be 'set' or 'add'. Got {op!r}.")
         index = index if isinstance(index, tuple) else (index,)
@@ -118,20 +151,19 @@ class Packed:
         flat, inside = jnp.zeros_like(index[0]), jnp.ones(index[0].shape, bool)
         for i, dim in zip(index, shape, strict=True):
             flat, inside = flat * dim + i, inside & (i >= 0) & (i < dim)
-        target = jnp.where(inside, offset + flat, self.buffer.shape[0])  # past the end: dropped
+        buffers = list(self.buffers)
+        target = jnp.where(inside, offset + flat, buffers[group].shape[0])  # past the end: dropped
         values = jnp.asarray(values).astype(jnp.int32)
-        return self._with_buffer(getattr(self.buffer.at[target], op)(values, mode="drop"))
-
-    def _with_buffer(self, buffer) -> Packed:
-        return self._unflatten(self._static, (buffer,))
+        buffers[group] = getattr(buffers[group].at[target], op)(values, mode="drop")
+        return self._unflatten(self._static, buffers)
 
     def _flatten(self):
-        return (self.buffer,), self._static
+        return self.buffers, self._static
 
     @classmethod
     def _unflatten(cls, static, children):
         new = object.__new__(cls)
-        _SET_BUFFER(new, children[0])
+        _SET_BUFFERS(new, tuple(children))
         _SET_STATIC(new, static)
         return new
 
@@ -144,7 +176,7 @@ class Packed:
         return f"{type(self).__name__}({static}, fields={shapes})"
 
 
-_SET_BUFFER = Packed.buffer.__set__  # slot setters: __setattr__ is closed (immutable)
+_SET_BUFFERS = Packed.buffers.__set__  # slot setters: __setattr__ is closed (immutable)
 _SET_STATIC = Packed._static.__set__
 
 
@@ -153,6 +185,7 @@ def _static(self: Packed, *, index: int):
 
 
 def _read(self: Packed, *, index: int, dtype) -> jax.Array:
-    offset, size = _layout(self._shapes())[index]
-    field = lax.slice_in_dim(self.buffer, offset, offset + size).reshape(self._shapes()[index])
+    shapes = self._shapes()
+    group, offset, size = _layout(shapes, self._GROUP_OF)[index]
+    field = lax.slice_in_dim(self.buffers[group], offset, offset + size).reshape(shapes[index])
     return field != 0 if dtype == jnp.bool_ else field

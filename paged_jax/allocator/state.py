@@ -99,6 +99,12 @@ class BlockState(Packed):
         ("free_head", jnp.int32),
         ("num_free", jnp.int32),
     )
+    # Per-block arrays and the tables in one buffer, per-sequence arrays and scalars in the
+    # other (see ``packed.py``): a late read of a length or a count then never copies the pool.
+    GROUPS = (
+        ("ref_counts", "held", "block_tables", "free_list"),
+        ("seq_lens", "active", "free_head", "num_free"),
+    )
     STATIC = ("config",)
     __slots__ = ()
 
