@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paged_jax import BlockAllocator, RequestState, admit, check_invariants, init_state
+from paged_jax.allocator import ops
 from paged_jax.allocator.status import OutOfBlocksError
 from paged_jax.viz import Recorder, RecordingPool, RunLog, scenarios
 from paged_jax.viz.layout import block_views
@@ -41,31 +42,42 @@ def fork_cow_log():
     return scenarios.fork_cow()
 
 
+GAINS, LOSSES = ("alloc", "share", "fork", "prefix_hit"), ("free", "preempt", "evict")
+
+
 def replay_events(log: RunLog):
-    """Rebuild ref counts and tables from the events alone, step by step."""
+    """Rebuild ref counts and tables from the events alone, one event after another.
+
+    Every event must fit the pool as it stands when it happens, and carry the block's ref
+    count just after it.
+    """
     refs = [0] * log.config.num_blocks
     tables: dict[str, dict[int, int]] = {}
     for t in range(log.num_steps):
         for e in log.events_at(t):
+            if e.block is None:
+                continue
             table = tables.setdefault(e.request, {}) if e.request is not None else None
-            if e.kind in ("alloc", "share", "fork"):
-                # Frees come first in a step, so an alloc finds the block unreferenced and a
-                # share or fork finds it in use.
+            if e.kind in GAINS:
                 assert (refs[e.block] == 0) == (e.kind == "alloc"), e
                 refs[e.block] += 1
                 if table is not None:
                     assert e.logical not in table, e
                     table[e.logical] = e.block
-            elif e.kind == "free":
+            elif e.kind in LOSSES:
+                assert refs[e.block] > 0, e
                 refs[e.block] -= 1
                 if table is not None:
                     assert table.pop(e.logical) == e.block, e
             elif e.kind == "cow_copy":
-                assert refs[e.block] == 0 and refs[e.src_block] > 0, e
+                assert refs[e.block] == 0 and refs[e.src_block] > 1, e
                 refs[e.block] += 1
                 refs[e.src_block] -= 1
                 assert table[e.logical] == e.src_block, e
                 table[e.logical] = e.block
+            else:
+                assert e.kind == "append" and table[e.logical] == e.block, e
+            assert e.ref_count == refs[e.block], e
         yield t, list(refs), {n: [tb[i] for i in sorted(tb)] for n, tb in tables.items() if tb}
 
 
@@ -77,10 +89,15 @@ def assert_events_explain_snapshots(log: RunLog) -> None:
         want = {n: list(r.table) for n, r in snap.requests().items() if r.table}
         assert tables == want, f"step {t}"
         reqs = snap.requests()
+        last: dict[tuple, int] = {}  # (request, logical) -> tokens of its last event
         for e in log.events_at(t):
-            assert e.ref_count is None or e.ref_count == snap.ref_counts[e.block]
-            if e.kind in ("alloc", "append", "share", "fork", "cow_copy") and e.request:
-                assert e.tokens == reqs[e.request].tokens_in(e.logical, bs), e
+            if e.request is not None and e.kind not in LOSSES:
+                last[(e.request, e.logical)] = e.tokens
+            text = e.describe()
+            assert "None" not in text and "(ref" not in text, text
+        for (name, i), tokens in last.items():
+            if name in reqs and i < len(reqs[name].table):
+                assert tokens == reqs[name].tokens_in(i, bs), (t, name, i)
 
 
 def test_seed_snapshots_match_the_replay(seed_log):
@@ -119,8 +136,9 @@ def test_fork_cow_matches_the_replay(fork_cow_log):
         assert [frozenset(v.owners) for v in block_views(snap)] == ref["owners"], f"step {t}"
         assert snap.ref_counts.tolist() == ref["refs"], f"step {t}"
     kinds = [(e.kind, e.request, e.src_block, e.block) for e in fork_cow_log.events_at(3)]
-    # P and Q copy block 1; the explicit note of the same copies is not counted twice.
-    assert kinds == [("cow_copy", "P", 1, 2), ("cow_copy", "Q", 1, 3), ("append", "R", None, 1)]
+    # P and Q copy block 1 (the pairs copy_on_write returned), then all three write.
+    assert kinds == [("cow_copy", "P", 1, 2), ("cow_copy", "Q", 1, 3), ("append", "P", None, 2),
+                     ("append", "Q", None, 3), ("append", "R", None, 1)]
     assert {e.kind for e in fork_cow_log.events_at(2)} == {"fork"}
     assert_events_explain_snapshots(fork_cow_log)
 
@@ -139,21 +157,43 @@ def test_other_scenarios_are_explained_by_their_events(name):
         assert {"prefix_hit", "evict"} <= kinds
 
 
-def test_notes_expand_to_blocks():
+def test_a_preemption_lists_each_block_once():
     pool = RecordingPool(scenarios.TINY_POOL)
     pool.admit(["A"], [6])
     pool.capture("admit A")
-    pool.note("preempt", request="A")
-    pool.release(["A"])
+    pool.preempt(["A"])
     pool.capture("preempt A")
     events = [(e.kind, e.request, e.logical, e.block, e.ref_count, e.tokens)
               for e in pool.log.events_at(2)]
-    assert events == [("preempt", "A", 0, 0, 0, 4), ("preempt", "A", 1, 1, 0, 2),
-                      ("free", "A", 0, 0, 0, 4), ("free", "A", 1, 1, 0, 2)]
+    assert events == [("preempt", "A", 0, 0, 0, 4), ("preempt", "A", 1, 1, 0, 2)]
+    # The same through a plain Recorder: the note turns the diffed frees into preemptions.
+    pool.admit(["B"], [2])
+    pool.capture("admit B")
+    pool.note("preempt", request="B")
+    pool.state = ops.release(pool.state, np.array([pool.slot("B")]))[0]
+    pool.names = {}
+    pool.capture("preempt B")
+    assert [(e.kind, e.request) for e in pool.log.events_at(4)] == [("preempt", "B")]
     with pytest.raises(ValueError, match="note"):
         pool.note("alloc", request="A")
     with pytest.raises(ValueError, match="needs the blocks"):
         pool.note("evict")
+
+
+def test_preemptions_and_prefix_hits_need_blocks():
+    pool = RecordingPool(scenarios.TINY_POOL)
+    pool.admit(["A"], [6])
+    pool.note("preempt", request="A")  # A arrived in this step: it held nothing before
+    with pytest.raises(ValueError, match="preempt of 'A': the request held no blocks"):
+        pool.capture("admit A")
+    pool.capture("admit A")  # the failed capture recorded nothing
+    assert pool.log.num_steps == 2
+    pool.note("prefix_hit", request="A")
+    with pytest.raises(ValueError, match="prefix_hit of 'A': the request was given no blocks"):
+        pool.capture("nothing")
+    pool.admit(["Z"], [0])
+    with pytest.raises(ValueError, match=r"Only a request holding blocks .* Got \['Z'\]"):
+        pool.preempt(["Z"])
 
 
 def _admit(state, slots, lengths):

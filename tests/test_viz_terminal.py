@@ -45,7 +45,7 @@ def test_tables_free_list_and_legend(seed_log):
     assert "C: [5, 6, 7, 8]  50 tokens, last block 2/16" in text
     assert f"Free list, next to be handed out first: {want['free']}" in text
     assert "[*] shared" in text and "[ ] free" in text and "~ partly filled" in text
-    assert "free B[1] -> block 4 (ref 0, 8 tokens)" in text
+    assert "free B[1]: block 4 back to the free list" in text
     shared = terminal.render_step(seed_log, 17)
     assert "D: [10, 11, 12]" in shared and "(table kept outside the state)" in shared
 
@@ -54,8 +54,10 @@ def test_names_sharing_a_first_letter_get_distinct_characters():
     pool = RecordingPool(scenarios.TINY_POOL)
     pool.admit(["req-1", "req-2"], [4, 4])
     pool.capture("two requests")
-    assert terminal.char_labels(pool.log) == {"req-1": "r", "req-2": "A"}
-    assert terminal.render_picture(pool.log, 1).startswith("[r][A][ ]")
+    assert terminal.char_labels(pool.log) == {"req-1": "r", "req-2": "R"}
+    picture = terminal.render_picture(pool.log, 1)
+    assert picture.startswith("[r][R][ ]")
+    assert picture.splitlines()[-1] == "Key: r = req-1, R = req-2"
 
 
 def test_live_view_plays_every_step(seed_log):

@@ -51,7 +51,8 @@ def render_layout(
 
     Args:
       state: the pool to draw.
-      labels: sequence slot -> one-character label. Defaults to ``A, B, C...`` by slot.
+      labels: sequence slot -> label, as wide as a cell at most (one character below 100
+        blocks, two below 1,000, ...). Defaults to ``A, B, C...`` by slot.
       tables: extra block tables kept outside the state, label -> block ids (the seed's
         ``req_d_table = sys_prompt_blocks + [allocator.allocate()]``).
       per_row: wrap after this many blocks (default: one row, as in the seed).
@@ -61,13 +62,15 @@ def render_layout(
     stays aligned.
     """
     labels = default_labels(state) if labels is None else dict(labels)
-    for slot, label in [*labels.items(), *((t, t) for t in tables or {})]:
-        if not isinstance(label, str) or len(label) != 1:
-            raise ValueError(f"labels must map slots to one character. Got {slot!r}: {label!r}.")
     n = state.config.num_blocks
+    inner = max(1, len(str(n - 1)) - 1)  # "[X]" for < 100 blocks, "[XY]" for < 1000, ...
+    for slot, label in [*labels.items(), *((t, t) for t in tables or {})]:
+        if not isinstance(label, str) or not 0 < len(label) <= inner:
+            raise ValueError(
+                f"labels must map slots to 1..{inner} characters (the cell width of a "
+                f"{n}-block pool). Got {slot!r}: {label!r}."
+            )
     refs = np.asarray(state.ref_counts)
-    digits = len(str(n - 1))
-    inner = max(1, digits - 1)  # "[X]" for < 100 blocks, "[X ]" for < 1000, ...
     cells = []
     for block, owners in enumerate(_owner_marks(state, labels, tables)):
         if len(owners) > 1:

@@ -25,27 +25,33 @@ VERSION = 1
 EVENT_KINDS = (
     "alloc",  # a free block gets its first reference
     "free",  # a reference is dropped (ref_count says whether the block went back to the pool)
-    "fork",  # a new request starts as a copy of another's whole table
+    "fork",  # a new request starts as a copy of another's table: one event per shared block
     "share",  # a reference is added to a block already in use
     "cow_copy",  # a shared block is replaced by a private copy (src_block -> block)
     "append",  # tokens are written into a block the request already had
-    "preempt",  # a request is evicted from the running batch and gives up its blocks
-    "prefix_hit",  # a new request reuses cached prefix blocks
-    "evict",  # a cached block is dropped to make room
+    "preempt",  # a request is evicted from the running batch: one event per block it gave up
+    "prefix_hit",  # a new request is given cached prefix blocks: one event per block
+    "evict",  # a cached block's reference is dropped to make room
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One allocator event. ``request`` is ``None`` for a reference held outside any table."""
+    """One allocator event. ``request`` is ``None`` for a reference held outside any table.
+
+    Events of a step are in the order they happened: replaying them one by one from the
+    previous snapshot gives the next (``viz.holdings.Holdings.apply``). ``preempt`` and
+    ``evict`` drop a reference as ``free`` does; ``fork`` and ``prefix_hit`` add one as
+    ``share`` does.
+    """
 
     step: int
     kind: str
     request: str | None
     logical: int | None  # index in the request's block table
     block: int | None  # physical block
-    ref_count: int | None  # the block's ref count after the step
-    tokens: int | None  # tokens in the block (after the step; before it, for a block given up)
+    ref_count: int | None  # the block's ref count just after this event
+    tokens: int | None  # tokens in the block (after the event; before it, for a block given up)
     src_block: int | None = None  # cow_copy: the shared block the copy was made from
     detail: str = ""
 
@@ -54,15 +60,33 @@ class Event:
             raise ValueError(f"Unknown event kind {self.kind!r}; expected one of {EVENT_KINDS}.")
 
     def describe(self) -> str:
-        who = self.request if self.request is not None else "(held)"
-        where = "" if self.logical is None else f"[{self.logical}]"
-        text = f"{self.kind} {who}{where}"
+        """One line for the views: ``free B[1]: block 4 back to the free list``."""
+        who = self.request if self.request is not None else "held"
+        entry = who if self.logical is None else f"{who}[{self.logical}]"
+        text = f"{self.kind} {entry}"
         if self.block is not None:
-            text += f" -> block {self.block}" if self.src_block is None else (
-                f" -> block {self.src_block} copied to {self.block}"
+            text += ": " + self._what()
+        return text + (f" ({self.detail})" if self.detail else "")
+
+    def _what(self) -> str:
+        b, refs = self.block, self.ref_count
+        tokens = "" if self.tokens is None else (
+            f", {self.tokens} token{'' if self.tokens == 1 else 's'}"
+        )
+        if self.kind in ("free", "preempt", "evict"):
+            if refs is None:
+                return f"block {b}"
+            return f"block {b} back to the free list" if refs == 0 else (
+                f"block {b} kept by {refs} other reference{'s' if refs > 1 else ''}"
             )
-            text += f" (ref {self.ref_count}, {self.tokens} tokens)"
-        return text + (f" {self.detail}" if self.detail else "")
+        if self.kind == "cow_copy":
+            return f"block {self.src_block} copied to block {b}{tokens}"
+        if self.kind == "append":
+            return f"block {b} now holds{tokens[1:]}"
+        if self.kind == "alloc":
+            return f"block {b}{tokens}"
+        shared = "" if refs is None else f", now shared by {refs}"
+        return f"block {b}{shared}"
 
 
 @dataclasses.dataclass(frozen=True)

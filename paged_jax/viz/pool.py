@@ -2,7 +2,9 @@
 
 A thin wrapper for driving scenarios: it keeps the ``BlockState``, maps request names to
 sequence slots, runs each op jitted with batches padded to ``max_seqs`` (one compilation per
-op, whatever the batch), raises if an op fails, and ``capture``\\ s a step when asked.
+op, whatever the batch), raises if an op fails, reports to its ``Recorder`` the events each
+op made (the blocks it allocated, shared, copied or gave up), and ``capture``\\ s a step when
+asked.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ class RecordingPool:
     def length(self, name: str) -> int:
         return int(self._field("seq_lens")[self.slot(name)])
 
+    def ref_count(self, block: int) -> int:
+        return int(self._field("ref_counts")[block])
+
     @property
     def num_free(self) -> int:
         return int(self._field("num_free"))
@@ -103,29 +108,66 @@ class RecordingPool:
             raise ValueError(f"Only {len(free)} sequence slots are free; {len(names)} requested.")
         return free[: len(names)]
 
+    def entries(self, name: str) -> list[tuple[int, int]]:
+        """``name``'s table as ``(block, tokens in it)`` per logical index."""
+        bs, n = self.config.block_size, self.length(name)
+        return [(b, min(bs, max(0, n - i * bs))) for i, b in enumerate(self.table(name))]
+
+    def _report(self, kind, name, logical, block, tokens, src=None, detail="") -> None:
+        self.recorder.report(kind, name, logical, block, tokens, src_block=src, detail=detail)
+
     def admit(self, names: Sequence[str], num_tokens: Sequence[int]) -> None:
         slots = self._new_slots(names)
         state, status = _admit(self.state, self._pad(slots), self._pad(num_tokens, 0))
         status.raise_if_failed()
         self.state = state
         self.names.update(zip(slots, names, strict=True))
+        for name in names:
+            for i, (b, tokens) in enumerate(self.entries(name)):
+                self._report("alloc", name, i, b, tokens)
 
     def append(self, names: Sequence[str], num_tokens: int | Sequence[int] = 1) -> None:
+        """Reports an ``alloc`` per block the op added and an ``append`` per block it wrote
+        into (``append`` returns only its status, so its effect is read off each request's
+        table and length)."""
         ids = self._pad([self.slot(n) for n in names])
+        before = {n: self.entries(n) for n in names}
         if isinstance(num_tokens, int):
             state, status = _append(self.state, ids, num_tokens=num_tokens)
         else:
             state, status = _append_n(self.state, ids, self._pad(num_tokens, 0))
         status.raise_if_failed()
         self.state = state
+        for name in names:
+            old = before[name]
+            for i, (b, tokens) in enumerate(self.entries(name)):
+                if i >= len(old):
+                    self._report("alloc", name, i, b, tokens)
+                elif old[i][1] != tokens:
+                    self._report("append", name, i, b, tokens)
 
-    def release(self, names: Sequence[str]) -> None:
+    def release(self, names: Sequence[str], *, kind: str = "free", detail: str = "") -> None:
+        """Release ``names``: each gives up its blocks (``kind``: ``free``, or ``preempt`` /
+        ``evict`` for a request pushed out of the batch or a cache)."""
+        if kind not in ("free", "preempt", "evict"):
+            raise ValueError(f"release kind must be free, preempt or evict. Got {kind!r}.")
         slots = [self.slot(n) for n in names]
+        before = {n: self.entries(n) for n in names}
         state, status = _release(self.state, self._pad(slots))
         status.raise_if_failed()
         self.state = state
         for s in slots:
             del self.names[s]
+        for name in names:
+            for i, (b, tokens) in enumerate(before[name]):
+                self._report(kind, name, i, b, tokens, detail=detail)
+
+    def preempt(self, names: Sequence[str]) -> None:
+        """Push ``names`` out of the running batch: their blocks go back (``preempt``)."""
+        empty = [n for n in names if not self.table(n)]
+        if empty:
+            raise ValueError(f"Only a request holding blocks can be preempted. Got {empty}.")
+        self.release(names, kind="preempt")
 
     def fork(self, parents: Sequence[str], children: Sequence[str]) -> None:
         src = [self.slot(p) for p in parents]
@@ -135,9 +177,15 @@ class RecordingPool:
         self.state = state
         self.names.update(zip(dst, children, strict=True))
         for child in children:
-            self.recorder.note("fork", request=child)
+            for i, (b, tokens) in enumerate(self.entries(child)):
+                self._report("fork", child, i, b, tokens)
 
-    def share_prefix(self, srcs: Sequence[str], dsts: Sequence[str], num_blocks: int) -> None:
+    def share_prefix(
+        self, srcs: Sequence[str], dsts: Sequence[str], num_blocks: int, *,
+        prefix_hit: bool = False,
+    ) -> None:
+        """New requests ``dsts`` start with the first ``num_blocks`` blocks of ``srcs``
+        (``prefix_hit``: reported as prefix-cache hits rather than plain shares)."""
         src = [self.slot(p) for p in srcs]
         dst = self._new_slots(dsts)
         k = self._pad([num_blocks] * len(src), 0)
@@ -145,25 +193,44 @@ class RecordingPool:
         status.raise_if_failed()
         self.state = state
         self.names.update(zip(dst, dsts, strict=True))
+        for name in dsts:
+            for i, (b, tokens) in enumerate(self.entries(name)):
+                self._report("prefix_hit" if prefix_hit else "share", name, i, b, tokens)
 
     def copy_on_write(self, names: Sequence[str], positions: Sequence[int]):
-        """Returns ``[(name, src, dst)]`` for the entries that were copied."""
+        """Returns ``[(name, src, dst)]`` for the entries that were copied (each reported as
+        a ``cow_copy``)."""
         state, (src, dst), status = _cow(
             self.state, self._pad([self.slot(n) for n in names]), self._pad(positions, 0)
         )
         status.raise_if_failed()
         self.state = state
         src, dst = np.asarray(src), np.asarray(dst)
-        return [(n, int(src[i]), int(dst[i])) for i, n in enumerate(names) if dst[i] >= 0]
+        copies = []
+        for i, name in enumerate(names):
+            if dst[i] >= 0:
+                logical = int(positions[i]) // self.config.block_size
+                tokens = self.entries(name)[logical][1]
+                self._report("cow_copy", name, logical, int(dst[i]), tokens, src=int(src[i]))
+                copies.append((name, int(src[i]), int(dst[i])))
+        return copies
 
     def hold(self, blocks: Sequence[int]) -> None:
         """One more reference held outside any table (a prefix cache keeping blocks alive)."""
+        refs = self._field("ref_counts").copy()
         state, status = _share_blocks(self.state, np.asarray(blocks, np.int32))
         status.raise_if_failed()
         self.state = state
+        for b in blocks:
+            self._report("alloc" if refs[b] == 0 else "share", None, None, b,
+                         self.config.block_size)
+            refs[b] += 1
 
-    def drop(self, blocks: Sequence[int]) -> None:
-        """Drop references taken by ``hold``."""
+    def drop(self, blocks: Sequence[int], *, evict: bool = False, detail: str = "") -> None:
+        """Drop references taken by ``hold`` (``evict``: reported as cache evictions)."""
         state, status = _free_blocks(self.state, np.asarray(blocks, np.int32))
         status.raise_if_failed()
         self.state = state
+        for b in blocks:
+            self._report("evict" if evict else "free", None, None, b, self.config.block_size,
+                         detail=detail)

@@ -1,8 +1,12 @@
-"""Record allocator runs: a host snapshot per step, events found by diffing consecutive ones.
+"""Record allocator runs: a host snapshot per step, and the events that led to it.
 
-Diffing snapshots (tables, ref counts, held references, lengths) rather than hooking ops means
-one recorder serves the facade, the pure ops and an engine alike. Whatever a diff cannot tell
-apart (a preemption from a release, a prefix-cache hit, an eviction) the caller ``note``\\ s.
+The code that changes the pool knows what it did: ``RecordingPool``'s ops and the engine run
+``report`` their events (the ``(src, dst)`` pairs ``copy_on_write`` returned, the blocks a
+fork shared, a preemption's blocks). At ``capture`` the recorder replays the reported events
+on the previous snapshot's holdings, refusing any that do not fit, and diffs what is left
+against the new snapshot: that diff covers what nobody reported (a facade call, the appends
+inside a jitted engine step). ``note`` names what a diff cannot tell apart (a preemption from a
+release, a prefix hit from a share, a cache eviction from a drop, a fork from a share).
 
     rec = Recorder()
     rec.capture(state, {0: "A"}, title="admit A")   # or rec.capture_allocator(allocator)
@@ -18,117 +22,69 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from paged_jax.allocator.state import BlockState
-from paged_jax.viz.log import EVENT_KINDS, Event, RequestView, RunLog, Snapshot
+from paged_jax.viz.holdings import Holdings, anonymous_held, diff_holdings
+from paged_jax.viz.log import EVENT_KINDS, Event, RunLog, Snapshot
+
+__all__ = ["Recorder", "anonymous_held", "count_kinds", "diff_events"]
 
 _NOTE_KINDS = ("preempt", "prefix_hit", "evict", "cow_copy", "fork")
-
-
-def _holders(snap: Snapshot) -> dict[int, set[tuple[str, int]]]:
-    out: dict[int, set[tuple[str, int]]] = {}
-    for name, req in snap.requests().items():
-        for i, b in enumerate(req.table):
-            out.setdefault(b, set()).add((name, i))
-    return out
-
-
-def anonymous_held(snap: Snapshot) -> list[int]:
-    """References per block held outside every table (``held`` minus outside tables)."""
-    counts = snap.held.astype(int).tolist()
-    for table in snap.tables.values():
-        for b in table:
-            counts[b] -= 1
-    return [max(0, c) for c in counts]
+_RELABEL = {"preempt": "free", "evict": "free", "prefix_hit": "share", "fork": "share"}
 
 
 def diff_events(prev: Snapshot | None, cur: Snapshot, step: int) -> list[Event]:
-    """The events that turn ``prev`` (``None``: an empty pool) into ``cur``.
+    """The events a diff finds between ``prev`` (``None``: an empty pool) and ``cur``.
 
-    * A request gaining a table entry: ``alloc`` if the block had no surviving holder,
-      ``fork`` if the request is new and its table and length equal a live request's,
-      ``share`` otherwise; an existing entry that changes block is a ``cow_copy``.
-    * A lost entry is a ``free``; more tokens in a kept block is an ``append``.
-    * References held outside any table give ``alloc``/``share``/``free`` with no request.
+    Dropped references first (``free``), then gained ones: ``alloc`` for a block nobody held,
+    ``share`` for a block in use, ``cow_copy`` for a kept entry that now points at a fresh
+    block, ``append`` for more tokens in a kept block.
     """
-    bs = cur.config.block_size
-    before = prev.requests() if prev is not None else {}
-    after = cur.requests()
-    old_holders = _holders(prev) if prev is not None else {}
-    new_holders = _holders(cur)
-    old_anon = anonymous_held(prev) if prev is not None else [0] * cur.config.num_blocks
-    new_anon = anonymous_held(cur)
-    refs = cur.ref_counts
-
-    def continuing(b: int) -> bool:
-        kept = old_holders.get(b, set()) & new_holders.get(b, set())
-        return bool(kept) or min(old_anon[b], new_anon[b]) > 0
-
-    events: list[Event] = []
-
-    def add(kind, req, logical, block, tokens, src=None):
-        events.append(Event(step, kind, req, logical, block, int(refs[block]), tokens, src))
-
-    # Dropped references first: a release frees blocks before anything reuses them.
-    for name, old in before.items():
-        new = after.get(name)
-        for i, b in enumerate(old.table):
-            if new is not None and i < len(new.table):
-                continue  # kept, or replaced by a copy (a cow_copy below)
-            add("free", name, i, b, old.tokens_in(i, bs))
-    for b in range(cur.config.num_blocks):
-        for _ in range(old_anon[b] - new_anon[b]):
-            add("free", None, None, b, bs)
-
-    claimed: set[int] = set()  # blocks some holder already took this step
-
-    def gain_kind(b: int, forked: bool) -> str:
-        if b in claimed or continuing(b):
-            return "fork" if forked else "share"
-        claimed.add(b)
-        return "alloc"
-
-    for name, new in after.items():
-        old = before.get(name)
-        forked = old is None and bool(new.table) and _is_fork(new, before)
-        for i, b in enumerate(new.table):
-            tokens = new.tokens_in(i, bs)
-            was = old.table[i] if old is not None and i < len(old.table) else None
-            if was == b:
-                if old.tokens_in(i, bs) != tokens:
-                    add("append", name, i, b, tokens)
-                continue
-            if was is not None:
-                claimed.add(b)
-                add("cow_copy", name, i, b, tokens, src=was)
-            else:
-                add(gain_kind(b, forked), name, i, b, tokens)
-    for b in range(cur.config.num_blocks):
-        for _ in range(new_anon[b] - old_anon[b]):
-            add(gain_kind(b, False), None, None, b, bs)
-    return events
-
-
-def _is_fork(new: RequestView, before: Mapping[str, RequestView]) -> bool:
-    return any(
-        r.table == new.table and r.num_tokens == new.num_tokens for r in before.values()
-    )
+    cfg = cur.config
+    start = Holdings.of(prev) if prev is not None else Holdings.empty(
+        cfg.num_blocks, cfg.block_size)
+    return diff_holdings(start, Holdings.of(cur), step)
 
 
 class Recorder:
     """Collects snapshots and events into a ``RunLog``.
 
-    Every ``capture`` is one step. Notes made since the previous capture belong to it.
+    Every ``capture`` is one step. Events reported and notes made since the previous capture
+    belong to it.
     """
 
     def __init__(self, scenario: str = ""):
         self._log: RunLog | None = None
         self._scenario = scenario
         self._notes: list[dict] = []
+        self._reported: list[Event] = []
+        self._diffed = 0
 
     @property
     def log(self) -> RunLog:
         if self._log is None:
             raise ValueError("Nothing recorded yet: call capture() at least once.")
         return self._log
+
+    def report(
+        self,
+        kind: str,
+        request: str | None,
+        logical: int | None,
+        block: int,
+        tokens: int,
+        *,
+        src_block: int | None = None,
+        detail: str = "",
+    ) -> None:
+        """Record an event the caller made happen, in the order it happened.
+
+        ``ref_count`` is filled in at ``capture`` (the block's count just after the event);
+        ``capture`` raises if the events do not turn the previous snapshot into one that
+        agrees with the new one where they touch it.
+        """
+        self._reported.append(
+            Event(-1, kind, request, logical, int(block), None, int(tokens),
+                  None if src_block is None else int(src_block), detail)
+        )
 
     def note(
         self,
@@ -139,35 +95,34 @@ class Recorder:
         src_blocks: Sequence[int] | None = None,
         detail: str = "",
     ) -> None:
-        """Record what a diff cannot see; it is attached to the next ``capture``.
+        """Name what a diff cannot tell apart; it applies to the next ``capture``.
 
-        * ``preempt``: ``request`` gives up its blocks (default: its whole table before).
-        * ``prefix_hit``: ``request`` reused cached blocks (default: the blocks it shared).
-        * ``evict``: ``blocks`` were dropped from a cache.
-        * ``cow_copy``: ``blocks`` are the copies, ``src_blocks`` the originals (the
-          ``(src, dst)`` output of ``copy_on_write``); a copy the diff found is not doubled.
-        * ``fork``: ``request`` was forked, so its shared blocks are ``fork`` events even if
-          it also decoded in this step (the diff alone only sees a fork as one).
+        * ``preempt``: ``request``'s dropped references are a preemption, not a release.
+          The request must have held blocks.
+        * ``prefix_hit``: the blocks ``request`` was given from another table are a prefix
+          hit. The request must have received some.
+        * ``evict``: the dropped references to ``blocks`` (held outside every table, or by
+          ``request``'s table) are cache evictions.
+        * ``fork``: the blocks ``request`` was given are a fork.
+        * ``cow_copy``: ``blocks`` are copies of ``src_blocks`` (``copy_on_write``'s pairs), for
+          a caller that does not ``report`` them; a copy already recorded is not doubled.
         """
         if kind not in _NOTE_KINDS:
             raise ValueError(f"note() takes one of {_NOTE_KINDS}. Got {kind!r}.")
         if kind in ("preempt", "prefix_hit", "fork") and request is None:
             raise ValueError(f"A {kind} note needs the request it happened to.")
         if kind in ("evict", "cow_copy") and not blocks:
-            raise ValueError(f"A {kind} note needs the blocks it concerns.")
-        if src_blocks is not None and len(src_blocks) != len(blocks or ()):
+            raise ValueError(f"A {kind} note needs the blocks it concerns. Got {blocks!r}.")
+        if kind == "cow_copy" and (src_blocks is None or len(src_blocks) != len(blocks)):
             raise ValueError(
-                f"src_blocks {list(src_blocks)} must pair up with blocks {list(blocks or ())}."
+                f"src_blocks {src_blocks!r} must pair up with blocks {list(blocks)}."
             )
-        self._notes.append(
-            {
-                "kind": kind,
-                "request": request,
-                "blocks": None if blocks is None else [int(b) for b in blocks],
-                "src_blocks": None if src_blocks is None else [int(b) for b in src_blocks],
-                "detail": detail,
-            }
-        )
+        self._notes.append({
+            "kind": kind, "request": request,
+            "blocks": None if blocks is None else [int(b) for b in blocks],
+            "src_blocks": None if src_blocks is None else [int(b) for b in src_blocks],
+            "detail": detail,
+        })
 
     def capture(
         self,
@@ -186,20 +141,21 @@ class Recorder:
           title: what happened in this step, shown by every view.
         """
         snap = Snapshot.from_state(state, names, tables=tables, title=title)
-        if self._log is None:
-            self._log = RunLog(config=snap.config, scenario=self._scenario)
-        elif snap.config != self._log.config:
+        if self._log is not None and snap.config != self._log.config:
             raise ValueError(
                 f"Every step must share one CacheConfig. Got {snap.config}, recorded "
                 f"{self._log.config}."
             )
-        step = self._log.num_steps
+        step = self._log.num_steps if self._log is not None else 0
         prev = self._log.snapshots[-1] if step else None
-        events = diff_events(prev, snap, step)
-        events = self._apply_notes(prev, snap, step, events)
+        try:
+            events = self._events(prev, snap, step)
+        finally:
+            self._notes, self._reported = [], []
+        if self._log is None:
+            self._log = RunLog(config=snap.config, scenario=self._scenario)
         self._log.snapshots.append(snap)
         self._log.events.extend(events)
-        self._notes = []
         return step
 
     def capture_allocator(
@@ -209,65 +165,85 @@ class Recorder:
         names = {slot: str(req.request_id) for slot, req in allocator.requests.items()}
         return self.capture(allocator.state, names, tables=tables, title=title)
 
-    def _apply_notes(self, prev, cur, step, events: list[Event]) -> list[Event]:
-        bs = cur.config.block_size
-        before = prev.requests() if prev is not None else {}
-        after = cur.requests()
-        first: list[Event] = []  # preempt and evict explain the frees that follow
-        last: list[Event] = []
-        forked = {n["request"] for n in self._notes if n["kind"] == "fork"}
-        events = [
-            dataclasses.replace(e, kind="fork") if e.kind == "share" and e.request in forked
-            else e
-            for e in events
-        ]
+    @property
+    def diffed(self) -> int:
+        """How many recorded events came from diffing rather than from ``report``."""
+        return self._diffed
+
+    def _events(self, prev: Snapshot | None, cur: Snapshot, step: int) -> list[Event]:
+        cfg = cur.config
+        start = Holdings.of(prev) if prev is not None else Holdings.empty(
+            cfg.num_blocks, cfg.block_size)
+        hold = start.copy()
+        reported = [hold.apply(dataclasses.replace(e, step=step)) for e in self._reported]
+        diffed = diff_holdings(hold, Holdings.of(cur), step)
+        self._diffed += len(diffed)
+        events = self._relabel(reported + self._with_noted_copies(diffed, reported))
+        return [start.apply(e) for e in events]  # each event's ref count, in order
+
+    def _with_noted_copies(self, diffed: list[Event], reported: list[Event]) -> list[Event]:
+        """A noted copy the diff saw as a new request's ``alloc`` of the copy becomes the
+        ``share`` of the original and the ``cow_copy``, as it happened."""
+        pairs = {}
+        for note in (n for n in self._notes if n["kind"] == "cow_copy"):
+            pairs.update(zip(note["blocks"], note["src_blocks"], strict=True))
+        done = {e.block for e in diffed + reported if e.kind == "cow_copy"}
+        out = []
+        for e in diffed:
+            src = pairs.get(e.block)
+            if e.kind == "alloc" and e.request is not None and src is not None and (
+                e.block not in done
+            ):
+                out.append(dataclasses.replace(e, kind="share", block=src))
+                out.append(dataclasses.replace(e, kind="cow_copy", src_block=src))
+                done.add(e.block)
+            else:
+                out.append(e)
+        missing = sorted(set(pairs) - done)
+        if missing:
+            raise ValueError(
+                f"Noted copies to blocks {missing} are not copies in this step's snapshot."
+            )
+        return out
+
+    def _relabel(self, events: list[Event]) -> list[Event]:
+        """Apply the notes: a dropped or gained reference becomes what the note says."""
+        events = list(events)
         for note in self._notes:
             kind, req = note["kind"], note["request"]
-            if kind == "fork":
+            if kind == "cow_copy":
                 continue
-            blocks = note["blocks"]
-            if kind == "preempt" and blocks is None:
-                blocks = list(before[req].table) if req in before else []
-            if kind == "prefix_hit" and blocks is None:
-                blocks = [e.block for e in events if e.request == req and e.kind == "share"]
-            srcs = note["src_blocks"] or [None] * len(blocks or [])
-            out = first if kind in ("preempt", "evict") else last
-            if not blocks:
-                out.append(Event(step, kind, req, None, None, None, None, detail=note["detail"]))
-            for b, src in zip(blocks, srcs, strict=True):
-                if kind == "cow_copy" and any(
-                    e.kind == "cow_copy" and e.block == b and req in (e.request, None)
-                    for e in events
-                ):
-                    continue
-                logical, tokens = _where(b, req, after if kind != "preempt" else before, bs)
-                if logical is None and kind != "preempt":
-                    logical, tokens = _where(b, req, before, bs)
-                out.append(
-                    Event(step, kind, req, logical, b, int(cur.ref_counts[b]), tokens, src,
-                          note["detail"])
+            base = _RELABEL[kind]
+            if kind == "evict":
+                hits = []
+                for b in note["blocks"]:
+                    hit = next((i for i, e in enumerate(events) if e.kind == "free"
+                                and e.block == b and e.request == req and i not in hits), None)
+                    if hit is None:
+                        raise ValueError(
+                            f"Evicted block {b} lost no reference of {req or 'held'} in this "
+                            "step."
+                        )
+                    hits.append(hit)
+            else:
+                hits = [i for i, e in enumerate(events)
+                        if e.request == req and e.kind in (base, kind)]
+                if not hits:
+                    what = "held no blocks" if kind == "preempt" else "was given no blocks"
+                    raise ValueError(f"A {kind} of {req!r}: the request {what} in this step.")
+            for i in hits:
+                events[i] = dataclasses.replace(
+                    events[i], kind=kind, detail=note["detail"] or events[i].detail
                 )
-        return first + events + last
-
-
-def _where(block: int, request: str | None, reqs: Mapping[str, RequestView], bs: int):
-    """``(logical index, tokens)`` of ``block`` in ``request``'s table (else any table)."""
-    order = [reqs[request]] if request in reqs else []
-    order += [r for r in reqs.values() if r.name != request]
-    for r in order:
-        if block in r.table:
-            i = r.table.index(block)
-            return i, r.tokens_in(i, bs)
-    return None, None
+        return events
 
 
 def count_kinds(events: Sequence[Event]) -> Counter:
     """Events per kind (``preempt`` and ``prefix_hit`` count requests, the rest blocks)."""
     counts: Counter = Counter()
-    per_request = {"preempt", "prefix_hit"}
     seen = set()
     for e in events:
-        if e.kind in per_request:
+        if e.kind in ("preempt", "prefix_hit"):
             key = (e.step, e.kind, e.request)
             if key in seen:
                 continue

@@ -84,18 +84,15 @@ def prefix_sharing() -> RunLog:
     pool.admit(["S"], [8])
     pool.capture("admit S: an 8-token system prompt (2 blocks)")
     for name, own in (("A", 5), ("B", 3), ("C", 6)):
-        pool.share_prefix(["S"], [name], 2)
+        pool.share_prefix(["S"], [name], 2, prefix_hit=True)
         pool.append([name], own)
-        pool.note("prefix_hit", request=name)
         pool.capture(f"{name} arrives: prefix hit on S's 2 blocks, +{own} own tokens")
     for i in range(3):
         pool.append(["A", "B", "C"])
         pool.capture(f"decode step {i + 1}: A, B, C +1 token")
     pool.release(["B"])
     pool.capture("B finishes")
-    s_blocks = pool.table("S")
-    pool.note("evict", request="S", blocks=s_blocks, detail="prompt cache entry dropped")
-    pool.release(["S"])
+    pool.release(["S"], kind="evict", detail="prompt cache entry dropped")
     pool.capture("S evicted from the prefix cache: A and C keep its blocks alive")
     pool.admit(["D"], [10])
     pool.capture("D arrives: prefix miss, 10 tokens in 3 fresh blocks")
@@ -114,8 +111,7 @@ def fork_cow() -> RunLog:
     pool.capture("admit P: 6 tokens (block 1 half full)")
     pool.fork(["P", "P"], ["Q", "R"])
     pool.capture("fork P -> Q, R: all three share both blocks")
-    copies = pool.copy_on_write(["P", "Q", "R"], [6, 6, 6])
-    pool.note("cow_copy", blocks=[d for _, _, d in copies], src_blocks=[s for _, s, _ in copies])
+    pool.copy_on_write(["P", "Q", "R"], [6, 6, 6])
     pool.append(["P", "Q", "R"])
     pool.capture("each writes token 6: P and Q copy the shared block, R keeps it")
     for i in range(2):
@@ -125,7 +121,7 @@ def fork_cow() -> RunLog:
     pool.capture("Q finishes (lowest score)")
     pool.fork(["R"], ["S"])
     pool.capture("fork R -> S")
-    copies = pool.copy_on_write(["S"], [pool.length("S")])
+    pool.copy_on_write(["S"], [pool.length("S")])
     pool.append(["R", "S"])
     pool.capture("R and S decode: S writes into the shared last block, so copies it")
     pool.release(["P", "R", "S"])
@@ -193,18 +189,19 @@ def random_run(
         i = counter - 1
         return alphabet[i % len(alphabet)] + (str(i // len(alphabet)) if i >= len(alphabet) else "")
 
-    def make_room(need: int, protect: set[str], preempt: bool = True) -> None:
+    def evict_until(need: int) -> None:
         while pool.num_free < need and cache:
             block = cache.pop(0)
-            pool.note("evict", blocks=[block], detail="prefix cache")
-            pool.drop([block])
-        while preempt and pool.num_free < need:
-            victims = [n for n in pool.live if n not in protect]
-            if not victims:
-                return
-            victim = victims[-1]
-            pool.note("preempt", request=victim)
-            pool.release([victim])
+            pool.drop([block], evict=True, detail="prefix cache")
+            done.append(f"evict block {block}")
+
+    def decode_need(names: list[str]) -> int:
+        """Blocks the next token can take: a fresh block, or a copy of a shared one."""
+        need = 0
+        for n in names:
+            i, offset = divmod(pool.length(n), cfg.block_size)
+            need += offset == 0 or pool.ref_count(pool.table(n)[i]) > 1
+        return need
 
     def wants_more() -> bool:
         return work.num_requests is None or arrived < work.num_requests
@@ -212,7 +209,8 @@ def random_run(
     step = 0
     while step + 1 < steps or (work.num_requests is not None and wants_more()):
         step += 1
-        done = []
+        done: list[str] = []
+        veterans = set(pool.live)  # held blocks in the last snapshot: may be preempted
         live = pool.live
         finishing = [n for n in live if pool.length(n) >= max_len]
         if work.finish_each:
@@ -226,6 +224,8 @@ def random_run(
                 cache.extend(first)
             pool.release([finish])
             done.append(f"{finish} finishes")
+        # A newcomer (arrival or fork child) joins only if every running request, itself
+        # included, can still take a block for its next token: newcomers are never preempted.
         for _ in range(work.arrivals):
             if not (wants_more() and len(pool.live) < cfg.max_seqs - 2 and rng.random() < 0.4):
                 continue
@@ -233,40 +233,55 @@ def random_run(
             donors = [n for n in pool.live if pool.length(n) >= 2 * cfg.block_size]
             if donors and rng.random() < 0.4:
                 donor = str(rng.choice(donors))
-                pool.share_prefix([donor], [name], 1)
-                pool.note("prefix_hit", request=name)
-                done.append(f"{name} arrives, prefix hit on {donor}")
-                arrived += 1
+                evict_until(len(pool.live) + 1)
+                if pool.num_free >= len(pool.live) + 1:
+                    pool.share_prefix([donor], [name], 1, prefix_hit=True)
+                    done.append(f"{name} arrives, prefix hit on {donor}")
+                    arrived += 1
             else:
                 prompt = int(rng.integers(*work.prompt))
-                need = -(-prompt // cfg.block_size)
-                make_room(need + len(pool.live), set(), preempt=False)
-                if pool.num_free >= need + len(pool.live):  # room to decode afterwards
+                need = -(-prompt // cfg.block_size) + len(pool.live) + 1
+                evict_until(need)
+                if pool.num_free >= need:
                     pool.admit([name], [prompt])
                     done.append(f"{name} arrives ({prompt} tokens)")
                     arrived += 1
         live = pool.live
         if live and len(live) < cfg.max_seqs and rng.random() < 0.15:
             parent = str(rng.choice(live))
-            child = fresh_name()
-            pool.fork([parent], [child])
-            done.append(f"fork {parent} -> {child}")
+            evict_until(len(live) + 1)
+            if pool.num_free >= len(live) + 1:
+                child = fresh_name()
+                pool.fork([parent], [child])
+                done.append(f"fork {parent} -> {child}")
         decoding = pool.live
         if decoding:
-            make_room(len(decoding) + 1, set(decoding[:1]))
-            decoding = pool.live
+            # Preempt the newest veteran (never the oldest request) until every token fits.
+            while pool.num_free < decode_need(decoding):
+                evict_until(decode_need(decoding))
+                victims = [n for n in decoding[1:] if n in veterans]
+                if pool.num_free >= decode_need(decoding) or not victims:
+                    break
+                pool.preempt([victims[-1]])
+                done.append(f"preempt {victims[-1]}")
+                decoding = pool.live
             positions = [pool.length(n) for n in decoding]
             writes = [(n, p) for n, p in zip(decoding, positions, strict=True)
                       if p % cfg.block_size]
             if writes:
                 copies = pool.copy_on_write([n for n, _ in writes], [p for _, p in writes])
                 done += [f"{n} copies block {s} -> {d}" for n, s, d in copies]
-            make_room(len(decoding), set(decoding[:1]))
-            decoding = pool.live
             pool.append(decoding)
-            done.append("decode " + "".join(decoding))
-        pool.capture(f"step {step}: " + "; ".join(done))
+            done.append("decode " + _names(decoding))
+        pool.capture(f"step {step}: " + ("; ".join(done) or "nothing runs"))
     return pool.log
+
+
+def _names(names: list[str]) -> str:
+    """``ABK`` for one-letter names, ``A1 B1 K1`` for longer ones, a count past a dozen."""
+    if len(names) > 12:
+        return f"{len(names)} requests"
+    return ("" if all(len(n) == 1 for n in names) else " ").join(names)
 
 
 SCENARIOS = {

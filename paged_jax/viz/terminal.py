@@ -14,6 +14,7 @@ count is above 1 with that count and each partly filled block with ``~``.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from paged_jax.viz.ascii import FREE, HELD, SHARED, render_layout
@@ -29,16 +30,46 @@ LEGEND = (
 )
 
 
+def cell_width(num_blocks: int) -> int:
+    """Characters inside one ``[..]`` cell: ``render_layout`` widens cells past 100 blocks."""
+    return max(1, len(str(num_blocks - 1)) - 1)
+
+
 def char_labels(log: RunLog) -> dict[str, str]:
-    """Request name -> the one character drawn in its cells (its first, if still unused)."""
-    out: dict[str, str] = {}
-    taken: set[str] = set()
-    for name in log.request_names():
-        ch = name[:1]
-        if not ch or ch in taken or ch in (SHARED, HELD, FREE):
-            ch = next((c for c in _ALPHABET if c not in taken), "?")
-        out[name] = ch
-        taken.add(ch)
+    """Request name -> the label drawn in its cells.
+
+    A name that fits the cell is drawn as itself. A longer one gets a short label no
+    fitting name uses and no request alive at the same time has; the picture's key lists it.
+    """
+    width = cell_width(log.config.num_blocks)
+    names = log.request_names()
+    life: dict[str, tuple[int, int]] = {}
+    for t, snap in enumerate(log.snapshots):
+        for name in snap.requests():
+            life[name] = (life.get(name, (t, t))[0], t)
+    marks = {SHARED, HELD, FREE}
+
+    def fits(name: str) -> bool:
+        return 0 < len(name) <= width and not (set(name) & marks) and name.isprintable()
+
+    out = {n: n for n in names if fits(n)}
+    reserved = set(out.values())
+    users: dict[str, list[tuple[int, int]]] = {}
+    for name in names:
+        if name in out:
+            continue
+        first, last = life[name]
+        lead = [c for c in (name[:1].lower(), name[:1].upper()) if c in _ALPHABET]
+        pairs = (a + b for a in _ALPHABET for b in _ALPHABET) if width > 1 else ()
+        for cand in itertools.chain(lead, _ALPHABET, pairs):
+            if cand not in reserved and all(
+                last < lo or hi < first for lo, hi in users.get(cand, ())
+            ):
+                break
+        else:
+            raise ValueError(f"No label left for request {name!r}: too many live requests.")
+        out[name] = cand
+        users.setdefault(cand, []).append((first, last))
     return out
 
 
@@ -46,18 +77,26 @@ def _per_row(num_blocks: int) -> int | None:
     return None if num_blocks <= 40 else 32
 
 
-def render_picture(log: RunLog, step: int, *, marks: bool = True) -> str:
-    """The seed's picture of ``step`` (``render_layout``), plus the marks line per row."""
+def render_picture(
+    log: RunLog, step: int, *, marks: bool = True, chars: dict[str, str] | None = None
+) -> str:
+    """The seed's picture of ``step`` (``render_layout``), the marks line per row, and a key
+    (``Key: a = A2``) for the requests drawn by a label other than their name.
+
+    ``chars``: ``char_labels(log)``, for a caller drawing many steps (it reads the whole log).
+    """
     snap = log.snapshots[step]
-    chars = char_labels(log)
+    chars = char_labels(log) if chars is None else chars
     labels = {slot: chars[name] for slot, name in snap.names.items()}
     tables = {chars[name]: list(t) for name, t in snap.tables.items()}
     per_row = _per_row(log.config.num_blocks)
     text = render_layout(snap.to_state(), labels, tables=tables, per_row=per_row)
+    keyed = [f"{chars[n]} = {n}" for n in snap.requests() if chars[n] != n]
+    key = ["Key: " + ", ".join(keyed)] if keyed else []
     if not marks:
-        return text
+        return "\n".join([text, *key])
     n = log.config.num_blocks
-    inner = max(1, len(str(n - 1)) - 1)
+    inner = cell_width(n)
     row = per_row or n
     lines = text.splitlines()
     out = []
@@ -69,14 +108,18 @@ def render_picture(log: RunLog, step: int, *, marks: bool = True) -> str:
             mark = (str(v.ref_count) if v.ref_count > 1 else "") + (PARTIAL if v.partial else "")
             cells.append(f"{mark:>{inner + 1}} ")
         out += lines[2 * r : 2 * r + 2] + ["".join(cells).rstrip()]
-    return "\n".join(out)
+    return "\n".join(out + key)
 
 
-def render_step(log: RunLog, step: int, *, legend: bool = True, events: bool = True) -> str:
+def render_step(
+    log: RunLog, step: int, *, legend: bool = True, events: bool = True,
+    chars: dict[str, str] | None = None,
+) -> str:
     """Picture, legend, tables (``A: [0, 1, 2, 9]``), free list and events of ``step``."""
     snap = log.snapshots[step]
     bs = log.config.block_size
-    lines = [f"Step {step}/{log.num_steps - 1}  {snap.title}".rstrip(), render_picture(log, step)]
+    lines = [f"Step {step}/{log.num_steps - 1}  {snap.title}".rstrip(),
+             render_picture(log, step, chars=chars)]
     if legend:
         lines.append(LEGEND)
     for name, req in snap.requests().items():
@@ -94,7 +137,8 @@ def render_step(log: RunLog, step: int, *, legend: bool = True, events: bool = T
 
 def render_run(log: RunLog) -> str:
     """Every step, one after another: the text file the CLI writes."""
-    return "\n\n".join(render_step(log, t) for t in range(log.num_steps)) + "\n"
+    chars = char_labels(log)
+    return "\n\n".join(render_step(log, t, chars=chars) for t in range(log.num_steps)) + "\n"
 
 
 def rich_step(log: RunLog, step: int):
@@ -106,14 +150,17 @@ def rich_step(log: RunLog, step: int):
     chars = char_labels(log)
     snap = log.snapshots[step]
     live = {chars[name]: colors[name] for name in snap.requests()}
-    picture_lines = render_picture(log, step).count("\n") + 1
-    offset = len(text.plain.splitlines()[0]) + 1
-    for i, line in enumerate(text.plain.splitlines()[1 : 1 + picture_lines]):
+    n = log.config.num_blocks
+    rows = 3 * len(range(0, n, _per_row(n) or n))  # cells, ruler and marks per row
+    cell = cell_width(n) + 2
+    lines = text.plain.splitlines()
+    offset = len(lines[0]) + 1
+    for i, line in enumerate(lines[1 : 1 + rows]):
         if i % 3 == 0:  # a row of cells
-            for j in range(0, len(line), len(line) // max(1, line.count("]"))):
-                ch = line[j + 1 : j + 2]
-                if ch in live:
-                    text.stylize(f"bold white on {live[ch]}", offset + j, offset + j + 3)
+            for j in range(0, len(line), cell):
+                label = line[j + 1 : j + cell - 1].strip()
+                if label in live:
+                    text.stylize(f"bold white on {live[label]}", offset + j, offset + j + cell)
         offset += len(line) + 1
     return text
 
