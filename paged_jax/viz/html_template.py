@@ -32,7 +32,7 @@ svg text.small { font-size: 9px; }
 #tables .req { display: flex; gap: 4px; align-items: center; margin: 3px 0; cursor: pointer;
                padding: 2px 4px; border-radius: 4px; }
 #tables .req.sel { background: #fff3b0; outline: 2px solid #000; }
-#tables .name { width: 90px; flex: none; font-weight: bold; }
+#tables .name { width: 110px; flex: none; font-weight: bold; white-space: nowrap; }
 #tables .cell { min-width: 26px; text-align: center; border: 1px solid; font: 11px monospace;
                 padding: 1px 2px; }
 #tables .cells { font: 11px monospace; white-space: nowrap; overflow: hidden;
