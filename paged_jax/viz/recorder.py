@@ -139,6 +139,10 @@ class Recorder:
           names: active slot -> request name (unnamed slots are named by their number).
           tables: block tables kept outside the state, name -> blocks.
           title: what happened in this step, shown by every view.
+
+        Raises ``ValueError`` if a reported event does not fit the previous snapshot or a
+        note names a preemption, prefix hit or eviction that did not happen; the step is
+        then not recorded, and its reports and notes are dropped.
         """
         snap = Snapshot.from_state(state, names, tables=tables, title=title)
         if self._log is not None and snap.config != self._log.config:
