@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from paged_jax.allocator import BlockState, CacheConfig, Status, admit, init_state
+from paged_jax.allocator.packed import Packed
 
 CFG = CacheConfig(num_blocks=12, block_size=4, max_seqs=3, max_blocks_per_seq=5)
 SHAPES = {
@@ -118,3 +119,29 @@ def test_scatter_matches_a_numpy_scatter_and_drops_out_of_range(seed):
         state.scatter("block_tables", rows, blocks)
     with pytest.raises(ValueError, match="op must be 'set' or 'add'. Got 'max'"):
         state.scatter("held", idx, vals, "max")
+
+
+def test_window_is_a_clamped_slice_of_its_field():
+    fields = random_fields(6)
+    state = BlockState(**fields, config=CFG)
+    ring = fields["free_list"]
+    read = jax.jit(lambda s, start: s.window("free_list", start, 4))
+    for start in [-3, 0, 5, 8, 9, 30]:
+        want = ring[min(max(start, 0), 12 - 4):][:4]
+        np.testing.assert_array_equal(np.asarray(read(state, start)), want, err_msg=str(start))
+    np.testing.assert_array_equal(np.asarray(state.window("free_list", 0, 12)), ring)
+    with pytest.raises(ValueError, match=r"0 < size <= 12 \(the length of free_list\)"):
+        state.window("free_list", 0, 13)
+    with pytest.raises(ValueError, match=r"1-D field.*Got shape \(3, 5\)"):
+        state.window("block_tables", 0, 2)
+
+
+def test_groups_keep_each_buffer_to_its_fields():
+    """The per-block arrays live apart from the per-sequence ones (see packed.py), and a
+    class whose groups do not partition its fields is refused when it is defined."""
+    state = init_state(CFG)
+    pool, seqs = (b.shape[0] for b in state.buffers)
+    assert pool == 12 + 12 + 3 * 5 + 12 and seqs == 3 + 3 + 1 + 1
+    with pytest.raises(TypeError, match="GROUPS must list each field once"):
+        type("Bad", (Packed,), {"FIELDS": (("a", jnp.int32), ("b", jnp.int32)),
+                                "GROUPS": (("a",), ("a",)), "__slots__": ()})

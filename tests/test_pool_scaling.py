@@ -17,12 +17,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.allocator import CacheConfig, admit, append, copy_on_write, init_state
-from paged_jax.allocator.ops import reserve_steps
+from paged_jax.allocator import (
+    CacheConfig,
+    admit,
+    append,
+    copy_on_write,
+    init_state,
+    release,
+    reserve_steps,
+)
 from tests.allocator_helpers import assert_matches_model
 from tests.reference_allocator import ModelAllocator
 
-PLUMBING = {"parameter", "get-tuple-element", "tuple", "while", "bitcast"}
+PLUMBING = {"parameter", "get-tuple-element", "tuple", "while", "conditional", "bitcast"}
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+) ([\w-]+)\((.*)$")
 
 
@@ -42,8 +49,9 @@ def _computations(hlo: str) -> dict[str, list[str]]:
 
 
 def pool_sized_work(hlo: str, size: int) -> list[str]:
-    """Instructions of the entry and of every loop body that produce an ``s32[size]`` array
-    and are neither plumbing nor a fusion whose root is a scatter."""
+    """Instructions outside fusions (in the entry, loop bodies, conditional branches) that
+    produce an ``s32[size]`` array and are neither plumbing nor a fusion whose root is a
+    scatter."""
     comps = _computations(hlo)
     roots = {}
     for name, lines in comps.items():
@@ -51,9 +59,9 @@ def pool_sized_work(hlo: str, size: int) -> list[str]:
             m = INSTRUCTION.match(line)
             if m and line.lstrip().startswith("ROOT"):
                 roots[name] = m.group(3)
-    bodies = {"ENTRY"} | set(re.findall(r"body=%([\w.-]+)", hlo))
+    fused = set(re.findall(r"calls=%([\w.-]+)", hlo))
     bad = []
-    for name in bodies:
+    for name in comps.keys() - fused:  # the entry, loop bodies, cond branches, reducers
         for line in comps[name]:
             m = INSTRUCTION.match(line)
             if not m or not m.group(2).startswith(f"s32[{size}]"):
@@ -112,6 +120,30 @@ def test_no_pool_sized_work_but_in_place_scatters(form):
     assert pool_sized_work(hlo, size) == []
 
 
+def whole_field_reads(hlo: str, size: int) -> list[str]:
+    """``slice`` instructions (anywhere, fusions included) that cut a field of at least
+    ``size`` elements out of a buffer, as indexing a pool-sized field does. A fusion that
+    gathers from such a slice counts, for XLA:CPU's cost model, as reading the whole field,
+    and is split into parallel tasks: a thread hand-off on every step."""
+    bad = []
+    for lines in _computations(hlo).values():
+        for line in lines:
+            m = INSTRUCTION.match(line)
+            shape = re.match(r"s32\[(\d+)\]", m.group(2)) if m else None
+            if m and m.group(3) == "slice" and shape and int(shape.group(1)) >= size:
+                bad.append(line.strip()[:160])
+    return bad
+
+
+@pytest.mark.parametrize("form", sorted(set(FORMS) - {"copy_on_write"}))
+def test_growing_reads_windows_of_the_free_ring_not_the_ring(form):
+    state = _running_state()
+    hlo = jax.jit(FORMS[form], donate_argnums=0).lower(state).compile().as_text()
+    assert whole_field_reads(hlo, CFG.num_blocks) == []
+    plain = jax.jit(lambda s: s.free_list[s.free_head + jnp.arange(4)]).lower(state)
+    assert whole_field_reads(plain.compile().as_text(), CFG.num_blocks)  # the check can fail
+
+
 def test_the_check_sees_a_whole_buffer_copy():
     """A late read of the old state (here: the old lengths after an append) makes XLA keep
     the old buffer alive, i.e. copy it; a select between two states is pool-sized too."""
@@ -149,3 +181,35 @@ def test_steps_at_a_large_pool_match_the_model():
     for _ in range(K):
         model.append(IDS.tolist(), [1] * len(IDS))
     assert_matches_model(state, model)
+
+
+def test_ring_reads_that_wrap_around_the_pool_match_the_model():
+    """The taken blocks are read as two windows of the free ring (from the head, and from
+    the ring's start where the hand-out wraps past its end): admitting, growing and releasing
+    in turn walks the head around a 13-block ring many times, from every offset."""
+    cfg = CacheConfig(num_blocks=13, block_size=2, max_seqs=3, max_blocks_per_seq=4)
+    model = ModelAllocator(13, 2, 3, 4)
+    step = jax.jit(lambda s, ids: append(s, ids, 1))
+    reserve = jax.jit(reserve_steps, static_argnums=2)
+    state = init_state(cfg)
+    ids = jnp.array([0, 1, 2], jnp.int32)
+    for round_ in range(9):
+        lens = [1 + round_ % 2, 2, round_ % 3]
+        state, status = admit(state, ids, jnp.array(lens, jnp.int32))
+        status.raise_if_failed()
+        model.admit([0, 1, 2], lens)
+        for _ in range(2):
+            state, status = step(state, ids)
+            status.raise_if_failed()
+            model.append([0, 1, 2], [1, 1, 1])
+            assert_matches_model(state, model)
+        state, status = reserve(state, ids, 3)
+        status.raise_if_failed()
+        for _ in range(3):
+            model.append([0, 1, 2], [1, 1, 1])
+        assert_matches_model(state, model)
+        order = [2, 0, 1] if round_ % 2 else [1, 2, 0]
+        state, status = release(state, jnp.array(order, jnp.int32))
+        status.raise_if_failed()
+        model.release(order)
+        assert_matches_model(state, model)

@@ -106,6 +106,26 @@ def _check_pool(code, need, state: BlockState, bound: int):
     return code, need, cum
 
 
+def _read_ring(state: BlockState, rank) -> jax.Array:
+    """``free_list[(free_head + rank) % num_blocks]`` for the ``rank`` [batch, max_new] (any
+    shape) of blocks about to be taken; a rank outside ``[0, rank.size)`` reads some block.
+
+    The taken blocks lie in the ``rank.size`` ring slots from the head, read here as two
+    windows of that size (from the head, and from the ring's start for the part that wraps
+    around) rather than by indexing the whole ring: on XLA:CPU a computation that reads a
+    pool-sized operand is split into parallel tasks, a thread hand-off on every decode step.
+    """
+    n, size = state.config.num_blocks, rank.size
+    if not 0 < size < n:
+        return state.free_list[(state.free_head + rank) % n]
+    r = jnp.clip(rank, 0, size - 1)
+    position = state.free_head + r  # ring slot, before wrapping around
+    start = jnp.minimum(state.free_head, n - size)  # the head window, kept inside the ring
+    head = state.window("free_list", start, size)[jnp.clip(position - start, 0, size - 1)]
+    wrapped = state.window("free_list", 0, size)[jnp.clip(position - n, 0, size - 1)]
+    return jnp.where(position < n, head, wrapped)
+
+
 def _take_blocks(state: BlockState, need, cum, apply, max_new: int, rank=None):
     """Hand out ``need[i]`` blocks to each entry from the head of the free ring.
 
@@ -122,7 +142,7 @@ def _take_blocks(state: BlockState, need, cum, apply, max_new: int, rank=None):
     if rank is None:
         rank = (cum - need)[:, None] + j  # [batch, max_new]
     ring = (state.free_head + rank) % n  # [batch, max_new]
-    blocks = jnp.where(take, state.free_list[ring], NULL_BLOCK)
+    blocks = jnp.where(take, _read_ring(state, rank), NULL_BLOCK)
     total = jnp.where(apply, cum[-1], 0) if cum.shape[0] else jnp.int32(0)
     free_head, num_free = (state.free_head + total) % n, state.num_free - total
     state = state.scatter("ref_counts", jnp.where(take, blocks, n), 1)

@@ -1,7 +1,7 @@
 """Named integer arrays that cross a jit boundary as a few buffers.
 
-A jitted call pays for every array that goes in or comes out: on XLA:CPU a few µs each
-(argument parsing, buffer bookkeeping, one Python object per output). The allocator's state is
+A jitted call pays for every array that goes in or comes out (argument parsing, buffer
+bookkeeping, one Python object per output). The allocator's state is
 eight arrays and an op's ``Status`` seven; packed, a decode step moves a handful of buffers
 instead of 30 arrays for its bookkeeping.
 
@@ -13,11 +13,13 @@ not read again). Bool fields are stored as 0/1.
 
 Why groups: XLA updates a buffer in place only if every read of its old version is ordered
 before the write, and it fuses small reads (an old length, an old count) into whichever later
-computation uses them. Such a late read costs a copy of the whole buffer it lives in. A class
+computation uses them; such a late read costs a copy of the whole buffer it lives in. A class
 whose fields differ in size by orders of magnitude (per-block against per-sequence arrays)
-therefore keeps the large ones in their own group, which the ops write only through scatters
-whose operands were read beforehand, so that those copies, where XLA still makes them, cost
-O(batch) and not O(pool).
+keeps the large ones in a group of their own, written only by scatters whose operands were
+read before, so that a late read copies O(batch) words, not the pool. For the same reason a
+pool-sized field is read through ``window`` where the reads fall in a known range: indexing
+the field makes XLA:CPU reckon the read at the whole field. ``tests/test_pool_scaling.py``
+checks both in the compiled decode-step ops.
 """
 
 from __future__ import annotations
@@ -132,6 +134,18 @@ class Packed:
             flat = value.astype(jnp.int32).reshape(-1)
             buffers[group] = lax.dynamic_update_slice_in_dim(buffers[group], flat, offset, 0)
         return self._unflatten(self._static, buffers)
+
+    def window(self, name: str, start, size: int) -> jax.Array:
+        """``field[start : start + size]`` of a 1-D field, ``start`` (traced) clamped so that
+        the window lies inside the field. One dynamic slice of the buffer, which XLA reckons a
+        read of ``size`` elements; indexing the field itself reads (a slice of) all of it.
+        """
+        group, offset, shape = self._field(name)
+        if len(shape) != 1 or not 0 < size <= shape[0]:
+            raise ValueError(f"window needs a 1-D field and 0 < size <= {shape[0]} (the "
+                             f"length of {name}). Got shape {shape}, size {size}.")
+        start = jnp.clip(jnp.asarray(start, jnp.int32), 0, shape[0] - size)
+        return lax.dynamic_slice_in_dim(self.buffers[group], offset + start, size)
 
     def scatter(self, name: str, index, values, op: str = "set") -> Packed:
         """``replace(name=field.at[index].<op>(values, mode="drop"))``, scattered straight into

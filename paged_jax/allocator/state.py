@@ -69,8 +69,9 @@ class BlockState(Packed):
     """Who owns which physical block. Every field has a fixed shape, so one compiled step
     serves any mix of sequences.
 
-    Fields (read by name; stored back to back in one int32 ``buffer``, see ``packed.py``, so
-    that a jitted step moves one array for the whole state instead of eight):
+    Fields (read by name; stored back to back in two int32 ``buffers``, see ``packed.py``, so
+    that a jitted step moves two arrays for the whole state instead of eight: the per-block
+    arrays and the tables in one, the per-sequence arrays and scalars in the other):
 
     * ``ref_counts``: [num_blocks] int32;
     * ``held``: [num_blocks] int32, references held outside any table (facade, cache);
