@@ -655,3 +655,64 @@ def test_shapes_only_the_kernel_refuses_decode_on_the_xla_path():
             decode_steps(graphdef, params, kv, state, first, num_steps=num_steps, impl="pallas")
         with pytest.raises(ValueError, match=message):
             decode_step(graphdef, params, kv, state, first, impl="pallas", interpret=True)
+
+
+@pytest.mark.parametrize("free", [0, 1, 2])
+def test_shared_writers_with_a_tight_pool_match_the_model_allocator(free):
+    """Two holders of one shared, partly filled block both write into it: one copy is enough
+    (the last writer keeps the original), though the step's cheap bound counts two. With one
+    or two free blocks the step runs; with none it is refused, state and cache unchanged."""
+    cfg = CacheConfig(num_blocks=8, block_size=4, max_seqs=4, max_blocks_per_seq=4)
+    claim = jax.jit(steps._claim, static_argnums=3)
+    model = ModelAllocator(cfg.num_blocks, cfg.block_size, cfg.max_seqs, cfg.max_blocks_per_seq)
+    state, _ = admit(init_state(cfg), jnp.array([0]), jnp.array([6]))  # 2 blocks, 2 tokens in
+    model.admit([0], [6])
+    state, _ = fork(state, jnp.array([0]), jnp.array([1]))
+    model.share([0], [1])
+    state, _, st = allocate_blocks(state, int(state.num_free) - free)
+    st.raise_if_failed()
+    model.allocate(cfg.num_blocks - 2 - free)
+    labels = np.arange(cfg.num_blocks, dtype=np.float32)
+    kv = KVCache(*(jnp.broadcast_to(jnp.asarray(labels)[None, None, :, None, None],
+                                    (1, 1, cfg.num_blocks, cfg.block_size, 1)),) * 2)
+    before = snapshot((kv, state))
+    expected = model.append([0, 1], [1, 1])
+    codes, src, dst = model.copy_on_write([0, 1], [6, 6])
+    ok = all(c == 0 for c in expected + codes)
+    kv, state, status = claim(kv, state, state.active, 1)
+    assert bool(status.applied) == ok == (free > 0)
+    if not ok:
+        assert Code.OUT_OF_BLOCKS in np.asarray(status.code).tolist()
+        assert_same((kv, state), before)
+        return
+    assert_matches_model(state, model)
+    assert sum(s >= 0 for s in src) == 1  # one copy, not two
+    for s, d in zip(src, dst, strict=True):
+        if s >= 0:
+            labels[d] = labels[s]
+    np.testing.assert_array_equal(np.asarray(kv.k)[0, 0, :, :, 0],
+                                  np.repeat(labels[:, None], cfg.block_size, 1))
+
+
+@pytest.mark.parametrize("num_steps", [1, 8])
+def test_compiled_steps_do_no_pool_sized_work(num_steps):
+    """A decode step's bookkeeping is O(batch): in the compiled step, with its state donated,
+    nothing outside an in-place scatter produces the pool-sized state buffer (no copy, no
+    select against the input state), in every branch."""
+    from tests.test_pool_scaling import pool_sized_work
+
+    small = TINY.replace(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1,
+                         head_dim=8, intermediate_size=64)
+    graphdef, params = nnx.split(init_model(small, seed=0))
+    cfg = CacheConfig(num_blocks=20_000, block_size=16, max_seqs=8, max_blocks_per_seq=8)
+    kv, state = init_cache(small, cfg), init_state(cfg)
+    tokens = jnp.zeros(cfg.max_seqs, jnp.int32)
+    if num_steps == 1:
+        lowered = steps._decode_step_jit.lower(steps._key(graphdef), params, kv, state, tokens,
+                                               impl="xla", interpret=False)
+    else:
+        lowered = steps._decode_steps_jit.lower(
+            steps._key(graphdef), params, kv, state, tokens, None, None, num_steps=num_steps,
+            impl="xla", interpret=False, return_logits=False, sample=False)
+    hlo = lowered.compile().as_text()
+    assert pool_sized_work(hlo, state.buffers[0].shape[0]) == []

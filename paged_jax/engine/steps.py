@@ -289,47 +289,81 @@ def _claim(kv: KVCache, state: BlockState, mask, num_steps: int, op: str = "deco
     Most steps need neither: with 16-token blocks, 15 decode steps in 16 write into a block
     the row already owns alone. Those take a fast path (``seq_lens += num_steps``) that skips
     the allocator's prefix sum, gathers and scatters; its result is the one ``append`` gives.
+
+    The others run the allocator, whose ops are O(batch) (``tests/test_pool_scaling.py``).
+    Growing first and then undoing the grow when the copy-on-write that follows runs out of
+    blocks would be a select over the whole pool. So the step decides first: when a row
+    would outgrow its table, or the new blocks plus one copy per row that writes into a
+    shared block exceed the free pool, it works out both ops' statuses on the input state,
+    applying nothing, and a refused step then runs the ops on no rows. The compiled steps do
+    no pool-sized work (``test_compiled_steps_do_no_pool_sized_work``).
     """
     cfg, bs = state.config, state.config.block_size
     rows = jnp.arange(cfg.max_seqs, dtype=jnp.int32)
     ids = jnp.where(mask, rows, -1)  # [S]
     positions = state.seq_lens  # [S] where each row's first new token goes
+    num_free = state.num_free  # before the op, as every Status reports it
 
     def shared_write(st):  # [S] rows whose first write lands in a block that st shares
         col = jnp.clip(positions // bs, 0, cfg.max_blocks_per_seq - 1)
         block = st.block_tables[rows, col]
         return mask & (block >= 0) & (st.ref_counts[jnp.clip(block, 0, cfg.num_blocks - 1)] > 1)
 
+    def grow_op(st, rows_mask):
+        if num_steps == 1:
+            return append(st, rows_mask, 1)
+        return reserve_steps(st, rows_mask, num_steps)
+
+    def predicted(st):  # the step's status, worked out on the input state; nothing applied
+        _, s_grow = grow_op(st, mask)
+        # After a successful grow the copies would see the pool less what it took.
+        after = st.replace(num_free=num_free - jnp.where(s_grow.applied, s_grow.requested, 0))
+        _, _, s_cow = copy_on_write(after, jnp.where(shared_write(st), rows, -1), positions)
+        s_cow = _select(s_grow.applied, s_cow, _no_failure(ids, num_free, "copy_on_write"))
+        return combine(ids, num_free, op, s_grow, s_cow)
+
     def fast(st, kv):  # nothing can fail: no select against the input state is needed
         st = st.replace(seq_lens=jnp.where(mask, positions + num_steps, positions))
-        return st, kv, _no_failure(ids, state, op)
+        return st, kv, _no_failure(ids, num_free, op)
 
     def slow(st, kv):
-        if num_steps == 1:
-            st, s_grow = append(st, mask, 1)
-        else:
-            st, s_grow = reserve_steps(st, mask, num_steps)
+        # A step that may fail works out its status first (a cond that returns no state, so
+        # the state's buffers stay free to be updated in place) and then runs the ops only
+        # if it succeeds; a refused step runs them on no rows, which changes nothing.
+        verdict = jax.lax.cond(may_fail, predicted,
+                               lambda st: _no_failure(ids, num_free, op), st)
+        go = verdict.applied
+        st, s_grow = grow_op(st, mask & go)
+        # Read from the grown state, not the input: a read of the input's pool buffer after
+        # the grow's in-place writes would make XLA copy the buffer first.
+        shared = shared_write(st) & go
 
         # Copy-on-write is rare (the first write after a fork into a shared, partly filled
         # block) and as many small ops as the rest of the allocator work: skipped when no
         # row needs it.
         def cow(st, kv):
-            st, (src, dst), s_cow = copy_on_write(st, ids, positions)
-            src = jnp.where(s_grow.applied & s_cow.applied, src, -1)
+            st, (src, dst), s_cow = copy_on_write(st, jnp.where(shared, rows, -1), positions)
             return st, copy_blocks(kv, src, dst), s_cow
 
         def no_cow(st, kv):
-            return st, kv, _no_failure(ids, st, "copy_on_write")
+            return st, kv, _no_failure(ids, num_free, "copy_on_write")
 
-        st, kv, s_cow = jax.lax.cond(jnp.any(shared_write(st)), cow, no_cow, st, kv)
-        status = combine(ids, state.num_free, op, s_grow, s_cow)
-        return _select(status.applied, st, state), kv, status
+        st, kv, s_cow = jax.lax.cond(jnp.any(shared), cow, no_cow, st, kv)
+        status = _select(may_fail, verdict, combine(ids, num_free, op, s_grow, s_cow))
+        return st, kv, status
 
     # A row needs the allocator iff it gets a new block (this includes every error: an
     # inactive slot is never in `mask`, and a row at its table's end needs a block it cannot
-    # have) or its first write lands in a shared block.
-    new_block = _cdiv(positions + num_steps, bs) > _cdiv(positions, bs)
-    needed = jnp.any(mask & new_block) | jnp.any(shared_write(state))
+    # have) or its first write lands in a shared block. Growing never changes the block a
+    # row's first write lands in, nor that block's ref count, so the input state tells.
+    shared = shared_write(state)  # [S]
+    new_blocks = jnp.where(mask, _cdiv(positions + num_steps, bs) - _cdiv(positions, bs), 0)
+    needed = jnp.any(new_blocks > 0) | jnp.any(shared)
+    # Neither op can fail while every row stays within its table and the pool holds the new
+    # blocks plus one copy per row that writes into a shared block.
+    demand = jnp.sum(new_blocks) + jnp.sum(shared, dtype=jnp.int32)
+    too_long = mask & (positions + num_steps > cfg.max_tokens_per_seq)  # [S]
+    may_fail = (demand > num_free) | jnp.any(too_long)
     st, kv, status = jax.lax.cond(needed, slow, fast, state, kv)
     return kv, st, status
 
@@ -340,10 +374,9 @@ def _bad_tokens(tokens, live, vocab_size: int):
     return live & ((tokens < 0) | (tokens >= vocab_size))
 
 
-def _no_failure(ids, state: BlockState, op: str = "") -> Status:
+def _no_failure(ids, num_free, op: str) -> Status:
     """A status in which every entry succeeded and nothing was requested."""
-    return Status(code=jnp.zeros_like(ids), ids=ids, requested=0, num_free=state.num_free,
-                  op=op)
+    return Status(code=jnp.zeros_like(ids), ids=ids, requested=0, num_free=num_free, op=op)
 
 
 def _claim_feeding(kv: KVCache, state: BlockState, tokens, mask, num_steps: int,
