@@ -78,9 +78,9 @@ def _status(code, ids, requested, state: BlockState, op: str, table=None) -> Sta
 def prefix_sum(x: jax.Array, bound: int) -> jax.Array:
     """Inclusive cumulative sum of a [batch] int vector whose entries lie in ``[0, bound]``.
 
-    XLA:CPU runs ``cumsum`` as a slow serial loop (about 10 ns an element); a two-level
-    triangular matmul in f32 is several times faster and exact while every partial sum stays
-    below 2**24, which ``bound`` lets us check statically. Falls back to ``cumsum`` otherwise.
+    XLA:CPU runs ``cumsum`` as a serial loop; a two-level triangular matmul in f32 is exact
+    while every partial sum stays below 2**24, which ``bound`` lets us check statically. Falls
+    back to ``cumsum`` otherwise (``paged-jax bench allocator`` measures the ops).
     """
     length = x.shape[0]
     width = max(8, int(np.ceil(np.sqrt(length))))

@@ -78,7 +78,7 @@ class OutOfBlocksError(RuntimeError):
 class Status(Packed):
     """Outcome of one batched op.
 
-    Fields (packed into one int32 ``buffer`` like ``BlockState``):
+    Fields (packed into one int32 buffer, see ``packed.py``):
 
     * ``code``: [batch] int32 ``Code`` per entry;
     * ``ids``: [batch] int32, the sequence (or block) id each entry blames: the entry's own
