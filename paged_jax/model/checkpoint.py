@@ -78,14 +78,19 @@ def _shape_of(file: str, name: str) -> tuple[int, ...]:
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Llama:
-    """Read a Hugging Face checkpoint directory into a ``Llama`` (parameters in ``dtype``,
-    default: the checkpoint's own, float32 if unknown).
+    """Read a Hugging Face checkpoint directory, or a llama.cpp ``.gguf`` file (see
+    ``paged_jax.model.gguf``), into a ``Llama`` (parameters in ``dtype``, default: the
+    checkpoint's own, float32 if unknown).
 
     Raises:
       ValueError: unsupported architecture or options (from ``ModelConfig.from_hf``).
       CheckpointError: a missing, unexpected or mis-shaped tensor; the message names it.
     """
     path = os.fspath(path)
+    if path.endswith(".gguf"):
+        from paged_jax.model.gguf import load_gguf  # gguf.py imports this module
+
+        return load_gguf(path, dtype)
     config = ModelConfig.from_hf(path, dtype=dtype)
     model = abstract_model(config)
     expected = hf_parameter_map(model)
