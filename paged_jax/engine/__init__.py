@@ -1,5 +1,14 @@
-"""The serving steps (prefill, decode) and the decode benchmark."""
+"""The serving steps (prefill, decode), next-token sampling and the decode benchmark."""
 
+from paged_jax.engine.sampling import check_sampling, filtered_logits, sample
 from paged_jax.engine.steps import decode_step, decode_steps, pad_prompts, prefill
 
-__all__ = ["decode_step", "decode_steps", "pad_prompts", "prefill"]
+__all__ = [
+    "check_sampling",
+    "decode_step",
+    "decode_steps",
+    "filtered_logits",
+    "pad_prompts",
+    "prefill",
+    "sample",
+]

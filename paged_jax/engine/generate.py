@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.allocator import CacheConfig, init_state
-from paged_jax.engine import decode_steps, pad_prompts, prefill
+from paged_jax.engine import check_sampling, decode_steps, pad_prompts, prefill, sample
 from paged_jax.kvcache import init_cache, plan_blocks
 from paged_jax.model import DEFAULT_MODEL, init_model, load_checkpoint
 from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
@@ -42,7 +42,7 @@ def _answer(parser, args, model) -> int:
                  else Tokenizer.from_hf_dir(path))
     result = answer(model, tokenizer, args.text, raw=args.raw, max_new_tokens=args.max_tokens,
                     steps_per_dispatch=args.steps_per_dispatch, temperature=args.temperature,
-                    seed=args.seed, block_size=args.block_size,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, block_size=args.block_size,
                     on_text=lambda piece: print(piece, end="", flush=True))
     print()
     why = "EOS" if result.stopped_at_eos else f"--max-tokens {args.max_tokens}"
@@ -68,9 +68,18 @@ def main(argv=None) -> int:
     parser.add_argument("--steps-per-dispatch", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample among the k most likely tokens (ties kept); 0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus: the most likely tokens up to this cumulative "
+                             "probability, after top-k; 1 = off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=128, help="question mode: answer length")
     args = parser.parse_args(argv)
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as err:  # before any model is loaded
+        parser.error(str(err))
 
     if args.checkpoint:
         model = load_checkpoint(args.checkpoint, args.dtype)
@@ -112,15 +121,13 @@ def main(argv=None) -> int:
     status.raise_if_failed()
     key = jax.random.key(args.seed)
     key, sub = jax.random.split(key)
-    if args.temperature > 0:
-        nxt = jax.random.categorical(sub, logits / args.temperature).astype(jnp.int32)
-    else:
-        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    nxt = sample(logits, sub, args.temperature, args.top_k, args.top_p)
     out = [np.asarray(nxt)[:, None]]
     for _ in range(dispatches):
         key, sub = jax.random.split(key)
         toks, _, kv, state, status = decode_steps(graphdef, params, kv, state, nxt, sub,
-                                                  args.temperature, num_steps=k)
+                                                  args.temperature, top_k=args.top_k,
+                                                  top_p=args.top_p, num_steps=k)
         toks = jax.device_get(toks)  # one host round trip per dispatch
         if toks.min() < 0:  # every row is active: -1 means the step did not run
             status.raise_if_failed()

@@ -39,6 +39,7 @@ from paged_jax.allocator import (
 from paged_jax.allocator import slot_mapping as _slot_mapping
 from paged_jax.allocator.ops import _cdiv
 from paged_jax.allocator.status import combine, details
+from paged_jax.engine import sampling
 from paged_jax.kernels import paged_attention
 from paged_jax.kernels.pallas_decode import resolve_impl
 from paged_jax.kernels.reference import attend_segments, gather_context, gather_pages
@@ -550,8 +551,8 @@ def _hoisted(model, kv, state, start, live, num_steps):
     return step, (jnp.zeros(shape, kv.k.dtype), jnp.zeros(shape, kv.v.dtype))
 
 
-def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_steps, impl,
-                  interpret, return_logits, sample):
+def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, top_k=None, top_p=None,
+                  *, num_steps, impl, interpret, return_logits, sample, filtered=False):
     model = _merge(graphdef, params)
     # All K steps' blocks are claimed once, up front: the scan body does no allocator work.
     mask = state.active
@@ -570,12 +571,12 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, *, num_
         kv, extra, tokens = loop
         t, step_key = xs
         logits, kv, extra = step(kv, extra, tokens, t)
-        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if sample:  # static: a greedy run draws no random numbers
-            temp = jnp.asarray(temperature, jnp.float32)
-            scaled = logits / jnp.maximum(temp, 1e-6)
-            nxt = jnp.where(temp > 0, jax.random.categorical(step_key, scaled), nxt)
-            nxt = nxt.astype(jnp.int32)
+            # Static too: with the filters off, the scan has no full-vocabulary sort.
+            nxt = (sampling.sample(logits, step_key, temperature, top_k, top_p) if filtered
+                   else sampling.sample(logits, step_key, temperature))
+        else:
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         emitted = jnp.where(live, nxt, -1)  # [S]
         tokens = jnp.where(live, nxt, tokens)
         out = (emitted, logits) if return_logits else (emitted,)
@@ -596,7 +597,8 @@ def _default_key() -> jax.Array:
 
 _decode_steps_jit = jax.jit(
     _decode_steps,
-    static_argnames=("graphdef", "num_steps", "impl", "interpret", "return_logits", "sample"),
+    static_argnames=("graphdef", "num_steps", "impl", "interpret", "return_logits", "sample",
+                     "filtered"),
     donate_argnames=DONATE,
 )
 
@@ -608,15 +610,22 @@ def decode_steps(
     state: BlockState,  # donated
     tokens: jax.Array,  # [max_seqs] int32, each active sequence's newest token
     key: jax.Array | None = None,
-    temperature: float | jax.Array = 0.0,
+    temperature: float | jax.Array = 0.0,  # scalar or [max_seqs] float >= 0, 0 = greedy
     *,
+    top_k: int | jax.Array = 0,  # scalar or [max_seqs] int >= 0, 0 = off
+    top_p: float | jax.Array = 1.0,  # scalar or [max_seqs] float in (0, 1], 1 = off
     num_steps: int,
     impl: str = "auto",
     interpret: bool = False,
     return_logits: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, KVCache, BlockState, Status]:
     """``num_steps`` decode steps in one dispatch (a ``lax.scan``), each step's token fed
-    back: greedy (``temperature == 0``) or sampled at ``temperature`` with ``key``.
+    back: greedy (``temperature == 0``) or sampled with ``key`` by ``sampling.sample`` at
+    ``temperature``, ``top_k`` and ``top_p`` (each a scalar or one value per sequence slot).
+
+    A Python ``temperature`` of 0 compiles a greedy-only scan that draws no random numbers
+    (``top_k`` and ``top_p`` cannot change an argmax); Python ``top_k=0`` and ``top_p=1.0``
+    compile a scan without the filters' full-vocabulary sort. Arrays may hold any mix.
 
     The blocks for all ``num_steps`` steps are claimed up front by one ``reserve_steps`` (the
     same state as ``num_steps`` successive appends), so the scan body runs the model and
@@ -642,13 +651,18 @@ def decode_steps(
         raise ValueError(f"num_steps must be a positive int. Got {num_steps!r}.")
     check_cache(kv, state)
     step_impl(impl, kv, state)
+    sampling.check_sampling(temperature, top_k, top_p, rows=state.config.max_seqs)
     # A Python 0 compiles a greedy-only scan; any other value (or an array) can sample.
     sample = not (isinstance(temperature, (int, float)) and temperature == 0)
+    filtered = sample and not sampling.filters_off(top_k, top_p)
     if not sample:
         key = temperature = None  # nothing to pass: the greedy scan takes neither
     elif key is None:
         key = _default_key()
+    if not filtered:
+        top_k = top_p = None  # nor does a scan without the filters
     return _decode_steps_jit(
-        _key(graphdef), params, kv, state, tokens, key, temperature, num_steps=num_steps, impl=impl,
-        interpret=interpret, return_logits=return_logits, sample=sample,
+        _key(graphdef), params, kv, state, tokens, key, temperature, top_k, top_p,
+        num_steps=num_steps, impl=impl, interpret=interpret, return_logits=return_logits,
+        sample=sample, filtered=filtered,
     )

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.allocator import CacheConfig, init_state
+from paged_jax.engine.sampling import check_sampling, sample
 from paged_jax.engine.steps import decode_steps, pad_prompts, prefill
 from paged_jax.kvcache import init_cache
 from paged_jax.model.llama import Llama
@@ -50,12 +51,6 @@ class Answer:
         return tokens / seconds if tokens and seconds > 0 else None
 
 
-def _pick(logits, key, temperature: float):
-    if temperature > 0:
-        return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-
 def answer(
     model: Llama,
     tokenizer: Tokenizer,
@@ -65,14 +60,19 @@ def answer(
     max_new_tokens: int = 128,
     steps_per_dispatch: int = 8,
     temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     seed: int = 0,
     block_size: int = 16,
     on_text: Callable[[str], None] | None = None,
 ) -> Answer:
     """Answer ``prompt`` (a user message, put through the chat template unless ``raw``).
 
-    Greedy at ``temperature == 0``, else sampled with ``seed``. Raises ``ValueError`` for an
-    empty prompt or a non-positive ``max_new_tokens`` / ``steps_per_dispatch``.
+    Greedy at ``temperature == 0``, else sampled with ``seed`` at ``temperature``, ``top_k``
+    (0 = off) and ``top_p`` (1 = off), the first token as every later one
+    (``sampling.sample``). Raises ``ValueError`` for an empty prompt, a non-positive
+    ``max_new_tokens`` / ``steps_per_dispatch`` or a sampling parameter out of range
+    (``check_sampling``).
     """
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt must be a non-empty string. Got {prompt!r}.")
@@ -80,8 +80,7 @@ def answer(
                         ("steps_per_dispatch", steps_per_dispatch)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int. Got {value!r}.")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0. Got {temperature!r}.")
+    check_sampling(temperature, top_k, top_p)
     text = prompt if raw else tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     ids = tokenizer.encode(text, add_special_tokens=raw)
     cfg = model.config
@@ -103,7 +102,7 @@ def answer(
                                         jnp.array([0]), jnp.array([len(ids)]))
     status.raise_if_failed()
     key, sub = jax.random.split(key)
-    nxt = _pick(logits, sub, temperature)
+    nxt = sample(logits, sub, temperature, top_k, top_p)
     out = [int(nxt[0])]
     first = time.perf_counter() - start
     shown = ""
@@ -125,7 +124,8 @@ def answer(
             steady_start, steady_from = time.perf_counter(), len(out)
         key, sub = jax.random.split(key)
         toks, _, kv, state, status = decode_steps(graphdef, params, kv, state, nxt, sub,
-                                                  temperature, num_steps=steps_per_dispatch)
+                                                  temperature, top_k=top_k, top_p=top_p,
+                                                  num_steps=steps_per_dispatch)
         toks = np.asarray(jax.device_get(toks))[:, 0]  # one host round trip per dispatch
         if toks.min() < 0:
             status.raise_if_failed()
