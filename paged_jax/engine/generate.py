@@ -10,6 +10,9 @@ Without one, the prompts are token ids (``--prompt "1 2 3" --prompt "4 5"``, or 
 all are prefilled in one ragged ``prefill`` call, each into its own sequence slot; then
 ``decode_steps`` produces ``--steps-per-dispatch`` tokens per host round trip until
 ``--max-new-tokens`` are out.
+
+In both modes ``--temperature`` (0 = greedy), ``--top-k`` and ``--top-p`` (``sampling.py``,
+applied in that order) and ``--seed`` pick every token, the first (from prefill) included.
 """
 
 from __future__ import annotations
