@@ -32,3 +32,9 @@ def test_generate_matches_dense_greedy(capsys, steps_per_dispatch, block_size):
         for _ in range(11):
             seq.append(int(np.argmax(dense_logits(graphdef, params, seq)[-1])))
         assert got == seq[len(prompt):], (prompt, got, seq[len(prompt):])
+
+
+def test_question_to_the_tiny_model_is_refused_before_loading(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "What is the capital of France?", "--model", "tiny"])
+    assert "--model tiny has random weights and no tokenizer" in capsys.readouterr().err

@@ -30,19 +30,29 @@ from paged_jax.allocator import CacheConfig, init_state
 from paged_jax.engine import check_sampling, decode_steps, pad_prompts, prefill, sample
 from paged_jax.kvcache import init_cache, plan_blocks
 from paged_jax.model import DEFAULT_MODEL, init_model, load_checkpoint
+from paged_jax.model.gguf import load_gguf, open_gguf
 from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
 
 
-def _answer(parser, args, model) -> int:
+def _load(args):
+    """The model, and where its tokenizer comes from: the GGUF file's open reader (read once
+    for both) or the Hugging Face directory; None for the tiny random model."""
+    if args.model == "tiny" and not args.checkpoint:
+        return init_model(DEFAULT_MODEL.replace(dtype=args.dtype or "float32"),
+                          seed=args.seed), None
+    path = str(args.checkpoint or default_gguf_path())
+    if path.endswith(".gguf"):
+        reader = open_gguf(path)
+        return load_gguf(reader, args.dtype), reader
+    return load_checkpoint(path, args.dtype), path
+
+
+def _answer(parser, args, model, source) -> int:
     """Question mode: stream the answer, then its figures."""
     from paged_jax.engine.text import answer
 
-    if args.model == "tiny" and not args.checkpoint:
-        parser.error("--model tiny has random weights and no tokenizer; give token ids with "
-                     "--prompt, or drop --model tiny for SmolLM2")
-    path = args.checkpoint or default_gguf_path()
-    tokenizer = (Tokenizer.from_gguf(path) if str(path).endswith(".gguf")
-                 else Tokenizer.from_hf_dir(path))
+    tokenizer = (Tokenizer.from_hf_dir(source) if isinstance(source, str)
+                 else Tokenizer.from_gguf(source))
     result = answer(model, tokenizer, args.text, raw=args.raw, max_new_tokens=args.max_tokens,
                     steps_per_dispatch=args.steps_per_dispatch, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, block_size=args.block_size,
@@ -84,14 +94,12 @@ def main(argv=None) -> int:
     except ValueError as err:  # before any model is loaded
         parser.error(str(err))
 
-    if args.checkpoint:
-        model = load_checkpoint(args.checkpoint, args.dtype)
-    elif args.model == "tiny":
-        model = init_model(DEFAULT_MODEL.replace(dtype=args.dtype or "float32"), seed=args.seed)
-    else:
-        model = load_checkpoint(default_gguf_path(), args.dtype)
+    if args.text is not None and args.model == "tiny" and not args.checkpoint:
+        parser.error("--model tiny has random weights and no tokenizer; give token ids with "
+                     "--prompt, or drop --model tiny for SmolLM2")
+    model, source = _load(args)
     if args.text is not None:
-        return _answer(parser, args, model)
+        return _answer(parser, args, model, source)
     cfg = model.config
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)  # cheaper for jit to flatten on every dispatch
