@@ -28,11 +28,13 @@ asserted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import math
 import os
 import pathlib
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +45,7 @@ from paged_jax.allocator import CacheConfig, init_state
 from paged_jax.engine.steps import decode_steps, pad_prompts, prefill
 from paged_jax.kvcache import init_cache
 from paged_jax.model import load_checkpoint
+from paged_jax.model.llama import Llama
 from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
 
 GOAL = 2.5  # paged_jax / transformers decode tokens/s, at every batch size (issue 13)
@@ -114,6 +117,26 @@ def load_transformers(path: pathlib.Path):
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return model.eval()
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """One checkpoint loaded for both sides: its tokenizer, paged_jax's ``Llama`` and
+    transformers' model, both f32. ``Models.load`` takes a .gguf file or a Hugging Face
+    directory."""
+
+    path: pathlib.Path
+    tokenizer: Tokenizer
+    ours: Llama
+    theirs: Any
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Models:
+        path = pathlib.Path(path)
+        gguf = path.suffix == ".gguf"
+        tokenizer = Tokenizer.from_gguf(path) if gguf else Tokenizer.from_hf_dir(path)
+        return cls(path, tokenizer, load_checkpoint(path, dtype="float32"),
+                   load_transformers(path))
 
 
 class PagedRunner:
@@ -202,25 +225,25 @@ class TorchRunner:
 def agreement(ours: np.ndarray, theirs: np.ndarray) -> list[int | None]:
     """Per row of ``ours`` and ``theirs`` ([B, N] ids): the first position where they differ,
     or None where the row agrees fully."""
-    return [None if (a == b).all() else int(np.argmax(a != b)) for a, b in zip(ours, theirs,
-                                                                                strict=True)]
+    pairs = zip(ours, theirs, strict=True)
+    return [None if (a == b).all() else int(np.argmax(a != b)) for a, b in pairs]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, models: Models | None = None) -> int:
+    """Run the benchmark; ``models``, if given, is the checkpoint already loaded (then
+    ``--checkpoint``, if given, must name the same path)."""
     args = build_parser().parse_args(argv)
     check_args(args)
     import torch
     from tqdm import tqdm
 
-    path = args.checkpoint if args.checkpoint is not None else default_gguf_path()
-    if path.suffix == ".gguf":
-        tokenizer = Tokenizer.from_gguf(path)
-    else:
-        tokenizer = Tokenizer.from_hf_dir(path)
-    ours = load_checkpoint(path, dtype="float32")
-    theirs = load_transformers(path)
+    if models is None:
+        models = Models.load(args.checkpoint or default_gguf_path())
+    elif args.checkpoint is not None and args.checkpoint != models.path:
+        raise ValueError(f"--checkpoint {args.checkpoint} is not the loaded {models.path}.")
+    path, tokenizer, ours, theirs = models.path, models.tokenizer, models.ours, models.theirs
     cfg = ours.config
-    print(f"paged-jax bench decode --model: {os.fspath(path)}")
+    print(f"paged-jax bench decode, checkpoint {os.fspath(path)}")
     print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
           f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, float32 on "
           f"both sides")
@@ -232,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} threads (default), inference_mode, DynamicCache loop")
     print(f"timed: {args.tokens} greedy decode steps per row after an untimed prefill of chat "
           f"prompts (EOS ignored); tokens/s = batch x {args.tokens} / fastest of "
-          f"{args.rounds} interleaved rounds, after a warm-up round per side")
+          f"{args.rounds} interleaved rounds, after a warm-up round per side", flush=True)
     results = []
-    pad_id = tokenizer.eos_token_id
+    pad_id = tokenizer.eos_token_id  # any id: the attention mask hides the padding
     with tqdm(total=len(args.batch) * (args.rounds + 1), desc="rounds", leave=False) as bar:
         for batch in args.batch:
             prompts = prompt_ids(tokenizer, batch)
