@@ -10,16 +10,14 @@ import pytest
 import torch
 
 from paged_jax.engine import bench, bench_model
-from paged_jax.model.tokenizer import default_gguf_path
 
 ROW = re.compile(r"^\s*(\d+) \|\s*([\d.]+) \|\s*([\d.]+) \|\s*([\d.]+)x\s+(met|not met) \| "
                  r"(\d+)/(\d+) of (\d+) tokens")
 
 
-def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys):
+def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, smollm2):
     tokens = 8
-    # Loaded once, for the benchmark and for the reference (transformers' load dominates).
-    models = bench_model.Models.load(default_gguf_path())
+    models = smollm2  # loaded once for the session: the benchmark, the reference, other tests
     assert bench_model.main(["--batch", "1", "--tokens", str(tokens), "--rounds", "1",
                              "--show-tokens"], models=models) == 0
     out = capsys.readouterr().out

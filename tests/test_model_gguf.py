@@ -26,13 +26,9 @@ PROMPTS = [[1, 9690, 198, 2683, 359, 253, 5356, 5646], [504, 3458, 282, 4649, 31
 
 
 @pytest.fixture(scope="module")
-def models():
-    from transformers import AutoModelForCausalLM
-
-    ours = load_checkpoint(PATH)  # a .gguf path goes to the GGUF loader
-    theirs = AutoModelForCausalLM.from_pretrained(str(PATH.parent), gguf_file=PATH.name,
-                                                  dtype=torch.float32)
-    return ours, theirs.eval()
+def models(smollm2):
+    """Ours (``load_gguf`` through one reader) and transformers', from the session fixture."""
+    return smollm2.ours, smollm2.theirs
 
 
 def test_config_comes_from_the_metadata(models):
@@ -136,15 +132,14 @@ CHATS = [
 ]
 
 
-def test_answers_equal_transformers_greedy_generate(models):
+def test_answers_equal_transformers_greedy_generate(models, smollm2):
     """``answer`` (chat template, paged prefill, K-step decode to EOS) gives transformers'
     greedy ids for the same chat prompt, token for token, up to EOS or 32 new tokens; what
     it streams adds up to its text."""
     from paged_jax.engine.text import answer
-    from paged_jax.model.tokenizer import Tokenizer
 
     ours, theirs = models
-    tokenizer = Tokenizer.from_gguf(PATH)
+    tokenizer = smollm2.tokenizer
     for question in CHATS:
         pieces = []
         result = answer(ours, tokenizer, question, max_new_tokens=32, on_text=pieces.append)
@@ -220,16 +215,15 @@ def test_load_gguf_takes_an_open_reader(tmp_path):
     np.testing.assert_array_equal(np.asarray(model.layers[0].mlp.up_proj.kernel.get_value()), 1)
 
 
-def test_model_prefers_the_digit_split_tokenization(models):
+def test_model_prefers_the_digit_split_tokenization(models, smollm2):
     """The model itself says which pre-tokenizer it was trained with: on ShareGPT texts whose
     ids differ between our tokenizer (llama.cpp's `smollm` rule: digits split first) and
     transformers' GGUF conversion (no split), the model gives our ids the higher likelihood."""
     from transformers import AutoTokenizer
 
     from paged_jax.datasets import sharegpt_conversations
-    from paged_jax.model.tokenizer import Tokenizer
 
-    ours_tok = Tokenizer.from_gguf(PATH)
+    ours_tok = smollm2.tokenizer
     theirs_tok = AutoTokenizer.from_pretrained(str(PATH.parent), gguf_file=PATH.name)
     model = models[1]
 

@@ -43,8 +43,10 @@ from flax import nnx
 
 from paged_jax.allocator import CacheConfig, init_state
 from paged_jax.engine.steps import decode_steps, pad_prompts, prefill
+from paged_jax.engine.text import BLOCKS_BUCKET, PROMPT_BUCKET
 from paged_jax.kvcache import init_cache
 from paged_jax.model import load_checkpoint
+from paged_jax.model.gguf import load_gguf, open_gguf
 from paged_jax.model.llama import Llama
 from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
 
@@ -133,10 +135,12 @@ class Models:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Models:
         path = pathlib.Path(path)
-        gguf = path.suffix == ".gguf"
-        tokenizer = Tokenizer.from_gguf(path) if gguf else Tokenizer.from_hf_dir(path)
-        return cls(path, tokenizer, load_checkpoint(path, dtype="float32"),
-                   load_transformers(path))
+        if path.suffix == ".gguf":
+            reader = open_gguf(path)  # one read of the metadata for the tokenizer and model
+            tokenizer, ours = Tokenizer.from_gguf(reader), load_gguf(reader, "float32")
+        else:
+            tokenizer, ours = Tokenizer.from_hf_dir(path), load_checkpoint(path, "float32")
+        return cls(path, tokenizer, ours, load_transformers(path))
 
 
 class PagedRunner:
@@ -151,10 +155,14 @@ class PagedRunner:
         self.config, self.prompts, self.tokens, self.k, self.impl = (
             model.config, prompts, tokens, k, impl)
         batch = len(prompts)
+        # Shapes rounded up to answer()'s buckets, as a server buckets them: batch 1 runs
+        # the very steps `paged-jax generate` compiles.
         blocks = math.ceil((max(map(len, prompts)) + tokens) / block_size)
+        blocks = -(-blocks // BLOCKS_BUCKET) * BLOCKS_BUCKET
         self.cache = CacheConfig(num_blocks=batch * blocks, block_size=block_size,
                                  max_seqs=batch, max_blocks_per_seq=blocks)
-        self.padded = pad_prompts(prompts)
+        width = -(-max(map(len, prompts)) // PROMPT_BUCKET) * PROMPT_BUCKET
+        self.padded = pad_prompts(prompts, width)
         self.lens = jnp.array([len(p) for p in prompts])
 
     def run(self) -> tuple[np.ndarray, float]:
