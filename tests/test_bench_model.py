@@ -16,36 +16,40 @@ ROW = re.compile(r"^\s*(\d+) \|\s*([\d.]+) \|\s*([\d.]+) \|\s*([\d.]+)x\s+(met|n
 
 
 def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, smollm2):
+    """Batch 2, two chat prompts of different lengths: a ragged paged batch."""
     tokens = 8
     models = smollm2  # loaded once for the session: the benchmark, the reference, other tests
-    assert bench_model.main(["--batch", "1", "--tokens", str(tokens), "--rounds", "1",
+    assert bench_model.main(["--batch", "2", "--tokens", str(tokens), "--rounds", "1",
                              "--show-tokens"], models=models) == 0
     out = capsys.readouterr().out
     rows = [m for m in map(ROW.match, out.splitlines()) if m]
     assert len(rows) == 1, out
     batch, ours, theirs, ratio, verdict, agree, of, new = rows[0].groups()
-    assert (int(batch), int(of), int(new)) == (1, 1, tokens + 1)
+    assert (int(batch), int(of), int(new)) == (2, 2, tokens + 1)
     ours, theirs, ratio = float(ours), float(theirs), float(ratio)
     assert ours > 0 and theirs > 0
     # The rates are printed to 0.05 and the ratio to 0.005: it lies within what they allow.
     assert (ours - 0.05) / (theirs + 0.05) - 0.005 <= ratio <= (
         (ours + 0.05) / max(theirs - 0.05, 1e-9) + 0.005)
     assert (verdict == "met") == (ratio >= bench_model.GOAL)
-    ids = {name: list(map(int, line.split(":")[1].split()))
+    ids = {(name, row): list(map(int, line.split(":")[1].split()))
            for line in out.splitlines()
-           for name in ("paged_jax", "transformers") if line.startswith(f"batch 1 row 0 {name}:")}
+           for name in ("paged_jax", "transformers") for row in (0, 1)
+           if line.startswith(f"batch 2 row {row} {name}:")}
 
-    prompt = bench_model.prompt_ids(models.tokenizer, 1)[0]
-    # The reference: transformers without any cache, the whole sequence through the model for
-    # every new token, EOS ignored (generate()'s min_new_tokens would forbid it instead).
-    seq = list(prompt)
-    with torch.inference_mode():
-        for _ in range(tokens + 1):
-            seq.append(int(models.theirs(torch.tensor([seq])).logits[0, -1].argmax()))
-    ref = seq[len(prompt):]
-    assert ids["paged_jax"] == ref
-    assert ids["transformers"] == ref
-    assert int(agree) == 1
+    prompts = bench_model.prompt_ids(models.tokenizer, 2)
+    assert len(prompts[0]) != len(prompts[1])
+    for row, prompt in enumerate(prompts):
+        # The reference: transformers without any cache, the whole sequence through the model
+        # for every new token, EOS ignored (generate()'s min_new_tokens would forbid it).
+        seq = list(prompt)
+        with torch.inference_mode():
+            for _ in range(tokens + 1):
+                seq.append(int(models.theirs(torch.tensor([seq])).logits[0, -1].argmax()))
+        ref = seq[len(prompt):]
+        assert ids["paged_jax", row] == ref, row
+        assert ids["transformers", row] == ref, row
+    assert int(agree) == 2
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -261,3 +261,32 @@ def test_unknown_pre_tokenizer_is_named(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="'llama-bpe'.*smollm"):
         Tokenizer.from_gguf(path)
+
+
+def test_model_prefers_the_digit_split_tokenization(theirs, smollm2):
+    """The model itself says which pre-tokenizer it was trained with: on ShareGPT texts whose
+    ids differ between our tokenizer (llama.cpp's `smollm` rule: digits split first) and
+    transformers' GGUF conversion (no split), the model gives our ids the higher likelihood."""
+    import torch
+
+    ours_tok, theirs_tok, model = smollm2.tokenizer, theirs, smollm2.theirs
+
+    def nll(ids):  # the text's negative log-likelihood, after a neutral <|im_start|>
+        ids = torch.tensor([[1, *ids]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+        return -logp.gather(1, ids[0, 1:, None]).sum().item()
+
+    pairs = []
+    for record in sharegpt_conversations(limit=200):
+        for turn in record["conversations"]:
+            text = turn["value"][:400]
+            a = ours_tok.encode(text, add_special_tokens=False)
+            b = theirs_tok(text, add_special_tokens=False)["input_ids"]
+            if a != b:
+                pairs.append((a, b))
+        if len(pairs) >= 8:
+            break
+    gains = [nll(b) - nll(a) for a, b in pairs[:8]]
+    assert len(gains) == 8
+    assert sum(g > 0 for g in gains) >= 7 and sum(gains) > 8, gains

@@ -54,8 +54,8 @@ GOAL = 2.5  # paged_jax / transformers decode tokens/s, at every batch size (iss
 
 QUESTIONS = (
     "What is the capital of France?",
+    "List three primary colours.",  # the first two differ in length: batch 2 is ragged
     "Write one sentence about the sea.",
-    "List three primary colours.",
     "How many legs does a spider have?",
     "Why is the sky blue?",
     "Name a planet larger than Earth.",
