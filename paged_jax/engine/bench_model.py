@@ -43,7 +43,6 @@ from flax import nnx
 
 from paged_jax.allocator import CacheConfig, init_state
 from paged_jax.engine.steps import decode_steps, pad_prompts, prefill
-from paged_jax.engine.text import BLOCKS_BUCKET, PROMPT_BUCKET
 from paged_jax.kvcache import init_cache
 from paged_jax.model import load_checkpoint
 from paged_jax.model.gguf import load_gguf, open_gguf
@@ -155,14 +154,12 @@ class PagedRunner:
         self.config, self.prompts, self.tokens, self.k, self.impl = (
             model.config, prompts, tokens, k, impl)
         batch = len(prompts)
-        # Shapes rounded up to answer()'s buckets, as a server buckets them: batch 1 runs
-        # the very steps `paged-jax generate` compiles.
+        # A tight pool: the xla path attends over every row's max_blocks_per_seq blocks, so
+        # a larger table would time padding, not decoding.
         blocks = math.ceil((max(map(len, prompts)) + tokens) / block_size)
-        blocks = -(-blocks // BLOCKS_BUCKET) * BLOCKS_BUCKET
         self.cache = CacheConfig(num_blocks=batch * blocks, block_size=block_size,
                                  max_seqs=batch, max_blocks_per_seq=blocks)
-        width = -(-max(map(len, prompts)) // PROMPT_BUCKET) * PROMPT_BUCKET
-        self.padded = pad_prompts(prompts, width)
+        self.padded = pad_prompts(prompts)
         self.lens = jnp.array([len(p) for p in prompts])
 
     def run(self) -> tuple[np.ndarray, float]:
