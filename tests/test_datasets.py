@@ -47,13 +47,14 @@ def test_bad_input(tmp_path):
 
 def test_shipped_file_is_truncated_and_read_up_to_its_cut(monkeypatch):
     path = sharegpt_path()
+    text = path.read_text(encoding="utf-8")
     with pytest.raises(json.JSONDecodeError):
-        json.loads(path.read_text(encoding="utf-8"))
+        json.loads(text)
     records = list(sharegpt_conversations())
     assert len(records) > 10_000
     assert all(isinstance(r["conversations"], list) and "id" in r for r in records)
     # The last record read is complete: it ends where the file continues with the next one.
-    tail = path.read_text(encoding="utf-8")[-2_000_000:]
+    tail = text[-2_000_000:]
     last = json.dumps(records[-1], indent=2, ensure_ascii=False).replace("\n", "\n  ")
     assert last in tail
     assert tail[tail.index(last) + len(last):].lstrip().startswith(",")
