@@ -94,6 +94,32 @@ class OpsTest(chex.TestCase):
             state = new
 
     @chex.variants(with_jit=True, without_jit=True)
+    def test_reserve_steps_with_per_row_budgets_equals_appends_of_the_rows_still_going(self):
+        state, model = fresh()
+        state = self.run_admit(state, model, [0, 1, 2, 3], [0, 15, 16, 33])
+        for k, ids, budgets in [(5, [0, 1, 2, 3], [5, 1, 0, 3]), (17, [3, 1, 0], [17, 2, 16]),
+                                (8, [2, -1, 0], [8, 0, 1])]:
+            new, st = self.variant(lambda s, i, b, k=k: pj.reserve_steps(s, i, k, b))(
+                state, arr(ids), arr(budgets))
+            for t in range(k):
+                model.append([i if b > t else -1 for i, b in zip(ids, budgets, strict=True)], [1] * len(ids))
+            assert bool(st.applied)
+            assert_matches_model(new, model)
+            assert_invariants_hold(new)
+            state = new
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_reserve_steps_refuses_a_budget_outside_the_dispatch(self):
+        state, model = fresh()
+        state = self.run_admit(state, model, [0, 1], [3, 4])
+        for budgets in ([9, 1], [1, -1]):
+            new, st = self.variant(lambda s, b: pj.reserve_steps(s, arr([0, 1]), 8, b))(
+                state, arr(budgets))
+            assert not bool(st.applied)
+            assert np.asarray(st.code).tolist().count(BAD_LENGTH) == 1
+            assert_same_state(new, state)
+
+    @chex.variants(with_jit=True, without_jit=True)
     def test_release_returns_blocks_to_tail_in_order(self):
         state, model = fresh()
         state = self.run_admit(state, model, [0, 1, 2], [40, 24, 50])

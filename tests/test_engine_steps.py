@@ -358,6 +358,101 @@ def test_decode_steps_greedy_equals_single_steps_and_sampling_is_keyed(split_mod
     assert ((hot_a[:, slots] >= 0) & (hot_a[:, slots] < TINY.vocab_size)).all()
 
 
+def prefill_rows(graphdef, params, prompts, slots, cache=CACHE):
+    """A fresh pool with ``prompts`` prefilled into ``slots``; returns (kv, state, first
+    tokens [max_seqs], the slots' first greedy tokens)."""
+    kv, state = init_cache(TINY, cache), init_state(cache)
+    logits, kv, state, status = prefill(graphdef, params, kv, state,
+                                        jnp.asarray(pad_prompts(prompts)), jnp.asarray(slots),
+                                        jnp.array([len(p) for p in prompts]))
+    status.raise_if_failed()
+    first = jnp.zeros(cache.max_seqs, jnp.int32).at[slots].set(
+        jnp.argmax(logits, -1).astype(jnp.int32))
+    return kv, state, first
+
+
+@pytest.mark.parametrize("num_steps", [1, 5, 9])
+def test_rows_stop_inside_the_dispatch_at_their_budget_or_stop_id(split_model, num_steps):
+    """Per-row budgets and stop ids against the unrestricted run: each row emits the same
+    tokens up to its end (its budget, or the first stop id, which is emitted) and -1 after;
+    its length and blocks grow by its budget only (the model allocator's appends)."""
+    graphdef, params = split_model
+    prompts = prompts_of([4, 11, 7], seed=8)
+    slots = np.array([1, 2, 0], np.int32)
+    kv, state, first = prefill_rows(graphdef, params, prompts, slots)
+    free = int(state.num_free)
+    full, _, _, _, status = decode_steps(graphdef, params, kv, state, first, num_steps=num_steps)
+    status.raise_if_failed()
+    full = np.asarray(full)
+    budgets = np.zeros(CACHE.max_seqs, np.int32)
+    budgets[slots] = [num_steps, max(num_steps - 3, 0), min(2, num_steps)]
+    stop = np.full((CACHE.max_seqs, 2), -1, np.int32)
+    stop_at = min(1, num_steps - 1)  # row in slot 1 stops on the id it emits at this step
+    stop[1, 1] = full[stop_at, 1]
+    kv, state, first = prefill_rows(graphdef, params, prompts, slots)
+    toks, _, kv, state, status = decode_steps(graphdef, params, kv, state, first,
+                                              num_steps=num_steps, budgets=jnp.asarray(budgets),
+                                              stop_ids=jnp.asarray(stop))
+    status.raise_if_failed()
+    toks = np.asarray(toks)
+    first_stop = int(np.flatnonzero(full[:, 1] == stop[1, 1])[0])
+    ends = {1: first_stop + 1, 2: budgets[2], 0: budgets[0], 3: 0}
+    model = ModelAllocator(CACHE.num_blocks, CACHE.block_size, CACHE.max_seqs,
+                           CACHE.max_blocks_per_seq)
+    model.admit(list(slots), [len(p) for p in prompts])
+    for t in range(num_steps):
+        model.append([int(s) if budgets[s] > t else -1 for s in slots], [1] * len(slots))
+    for row, end in ends.items():
+        np.testing.assert_array_equal(toks[:end, row], full[:end, row])
+        assert (toks[end:, row] == -1).all(), (row, toks[:, row])
+    lens = np.asarray(state.seq_lens)
+    for s, p in zip(slots, prompts, strict=True):
+        assert lens[s] == len(p) + budgets[s]
+    assert int(state.num_free) == free - sum(
+        -(-(len(p) + budgets[s]) // CACHE.block_size) - -(-len(p) // CACHE.block_size)
+        for s, p in zip(slots, prompts, strict=True))
+    assert_matches_model(state, model)
+
+
+def test_seeded_rows_draw_by_seed_and_position_not_by_row(split_model):
+    """With per-row seeds, a row's sampled tokens depend on its seed and context only: the
+    same prompt and seed in two slots, beside different neighbours, give the same tokens; a
+    different seed gives others."""
+    graphdef, params = split_model
+    a, b = prompts_of([6, 9], seed=2)
+
+    def run(prompts, slots, seeds):
+        kv, state, first = prefill_rows(graphdef, params, prompts, np.array(slots, np.int32))
+        row_seeds = np.zeros(CACHE.max_seqs, np.int32)
+        row_seeds[slots] = seeds
+        toks, _, _, _, status = decode_steps(graphdef, params, kv, state, first, None, 3.0,
+                                             num_steps=6, seeds=jnp.asarray(row_seeds))
+        status.raise_if_failed()
+        return np.asarray(toks)
+
+    one = run([a, b], [0, 3], [7, 1])
+    two = run([b, a, a], [1, 2, 0], [5, 7, 8])
+    np.testing.assert_array_equal(one[:, 0], two[:, 2])
+    assert (one[:, 0] != two[:, 0]).any()
+
+
+def test_row_controls_are_checked_before_tracing(split_model):
+    graphdef, params = split_model
+    kv, state, first = prefill_rows(graphdef, params, prompts_of([3]), np.array([0], np.int32))
+    bad = [
+        (dict(budgets=np.zeros(3, np.int32)), "budgets must be a [4] int array"),
+        (dict(budgets=np.array([1, 0, 0, 9], np.int32)), "budgets must be in 0..num_steps (4). "
+                                                         "Got 9 at row 3"),
+        (dict(stop_ids=np.zeros(4, np.int32)), "stop_ids must be a [4, M] int array"),
+        (dict(seeds=np.zeros(4, np.float32)), "seeds must be a [4] int array"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")
+                           .replace(")", r"\)").replace(".", r"\.")):
+            decode_steps(graphdef, params, kv, state, first, num_steps=4, **kwargs)
+    assert int(state.seq_lens[0]) == 3  # nothing was donated or changed
+
+
 def retrace_steps(monkeypatch, request, hoist_max_bytes: int) -> None:
     """Set ``steps.HOIST_MAX_BYTES`` for one test (0 forces the per-step K-step form). The form
     is chosen when the step is traced, and jax caches traces per function, not per jit object:

@@ -5,6 +5,7 @@ from paged_jax.allocator.invariants import assert_invariants, check_invariants
 from paged_jax.allocator.loose import allocate_blocks, free_blocks, share_blocks
 from paged_jax.allocator.ops import (
     admit,
+    admit_cached,
     append,
     copy_on_write,
     fork,
@@ -33,6 +34,7 @@ __all__ = [
     "RequestState",
     "Status",
     "admit",
+    "admit_cached",
     "allocate_blocks",
     "append",
     "assert_invariants",

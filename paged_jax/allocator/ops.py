@@ -223,6 +223,49 @@ def admit(state: BlockState, seq_ids, num_tokens) -> tuple[BlockState, Status]:
     return new, _status(code, ids, jnp.sum(need), state, "admit", table)
 
 
+def admit_cached(state: BlockState, seq_ids, block_ids, num_tokens) -> tuple[BlockState, Status]:
+    """Start sequences on blocks that are already in use (a prefix cache's held blocks): row
+    ``i``'s table begins with ``block_ids[i]`` (NULL_BLOCK-padded), each listed block gains
+    one reference, and its length is ``num_tokens[i]``, which those blocks must cover. The
+    sequence's own tokens follow with ``append`` (or an extending ``prefill``).
+
+    Args:
+      seq_ids: [batch] int, inactive slots (-1 = padding).
+      block_ids: [batch, max_blocks_per_seq] int, each row's first blocks, then NULL_BLOCK.
+      num_tokens: [batch] or scalar int, with ``cdiv(num_tokens, block_size)`` equal to the
+        row's count of listed blocks.
+
+    Refused entries: an active slot (``SEQ_ACTIVE``), a listed block that is out of range or
+    free (``BAD_BLOCK``), a length that does not match the blocks (``BAD_LENGTH``).
+    """
+    cfg = state.config
+    ids, safe, valid, code = _prepare(state, seq_ids)
+    blocks = jnp.asarray(block_ids)
+    if (blocks.shape != (ids.shape[0], cfg.max_blocks_per_seq)
+            or not jnp.issubdtype(blocks.dtype, jnp.integer)):
+        raise ValueError(f"block_ids must be a [batch, max_blocks_per_seq] = [{ids.shape[0]}, "
+                         f"{cfg.max_blocks_per_seq}] int array. Got {blocks.dtype}{blocks.shape}.")
+    blocks = blocks.astype(jnp.int32)
+    n = _broadcast_like(num_tokens, ids, "num_tokens")
+    listed = blocks != NULL_BLOCK
+    count = jnp.sum(listed, axis=1, dtype=jnp.int32)
+    leading = jnp.all(listed == (jnp.arange(cfg.max_blocks_per_seq)[None, :] < count[:, None]),
+                      axis=1)
+    in_range = (blocks >= 0) & (blocks < cfg.num_blocks)
+    safe_blocks = jnp.where(in_range, blocks, 0)
+    bad_block = jnp.any(listed & (~in_range | (state.ref_counts[safe_blocks] == 0)), axis=1)
+    code = first_error(code, valid & state.active[safe], Code.SEQ_ACTIVE)
+    code = first_error(code, valid & (bad_block | ~leading), Code.BAD_BLOCK)
+    code = first_error(code, valid & ((n < 0) | (_cdiv(n, cfg.block_size) != count)),
+                       Code.BAD_LENGTH)
+    code, apply = finalize(code)
+    inc = (valid & apply)[:, None] & listed
+    new = state.scatter("ref_counts", jnp.where(inc, blocks, cfg.num_blocks), 1, "add")
+    new = _set_rows(new, ids, apply, valid, n, True, jnp.where(listed, blocks, NULL_BLOCK))
+    table = {Code.BAD_LENGTH: (n, count * cfg.block_size, None)}
+    return new, _status(code, ids, jnp.int32(0), state, "admit_cached", table)
+
+
 def _select(state: BlockState, seq_ids_or_mask):
     """Resolve ids or a mask. Returns ``(ids, valid, code, old_len, active, dense)``; in the
     dense (mask) form entry i is slot i, so lengths and flags are read without gathers."""
@@ -287,7 +330,7 @@ def append(state: BlockState, seq_ids_or_mask, num_tokens=1) -> tuple[BlockState
                  max_new=max_new)
 
 
-def reserve_steps(state: BlockState, seq_ids_or_mask, num_steps: int):
+def reserve_steps(state: BlockState, seq_ids_or_mask, num_steps: int, steps=None):
     """``num_steps`` decode steps of bookkeeping in one op: the same state as ``num_steps``
     successive ``append(state, seq_ids_or_mask, 1)`` calls, blocks handed out step by step.
 
@@ -295,11 +338,17 @@ def reserve_steps(state: BlockState, seq_ids_or_mask, num_steps: int):
     ``slot_mapping`` at positions ``len .. len + num_steps - 1``. All-or-nothing over all the
     steps: if the pool cannot hold every step, nothing changes.
 
+    ``steps`` (optional, scalar or [batch] int in ``0..num_steps``) lets entries stop early:
+    entry ``i`` takes part in the first ``steps[i]`` of the ``num_steps`` appends only, so a
+    row with a smaller budget claims no block past it. A count outside ``0..num_steps``
+    refuses the op (``BAD_LENGTH``).
+
     How the order is computed without a loop: entry ``i`` (length ``L``, ``h = cdiv(L, bs)``
-    blocks) takes its ``j``-th new block at step ``t = (h + j) * bs - L``, so its crossings
-    form the residue class ``t0 = h * bs - L (mod bs)``. The blocks handed out before that one
-    are every crossing at an earlier step, ``sum_r n_r * cdiv(t - r, bs)`` over classes ``r``
-    with ``n_r`` members, plus earlier entries of the same class at the same step.
+    blocks, ``need_i`` new ones) takes its ``j``-th new block at step ``t = (h + j) * bs -
+    L``, so its crossings form the residue class ``t0_i = h * bs - L (mod bs)``. The blocks
+    handed out before that one are, over every entry ``i'``, its crossings at earlier steps,
+    ``clip(cdiv(t - t0_i', bs), 0, need_i')``, plus the crossings of earlier entries of the
+    same class at the same step.
     """
     if not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
         raise ValueError(f"num_steps must be a Python int >= 0. Got {num_steps!r}.")
@@ -307,19 +356,24 @@ def reserve_steps(state: BlockState, seq_ids_or_mask, num_steps: int):
     bs = cfg.block_size
     ids, valid, code, old_len, active, dense = _select(state, seq_ids_or_mask)
     max_new = min(cfg.max_blocks_per_seq, _cdiv(int(num_steps), bs))
+    if steps is None:
+        n = jnp.full(ids.shape, num_steps, jnp.int32)
+    else:
+        n = _broadcast_like(steps, ids, "steps")
+        # More steps than the dispatch runs: refused as a bad length, like a negative count.
+        n = jnp.where(n > num_steps, -1, n)
 
     def rank_fn(need, have, length):
         t0 = have * bs - length  # [batch] step of the first crossing, in [0, bs)
-        classes = jnp.arange(bs, dtype=jnp.int32)
-        member = (need > 0)[:, None] & (t0[:, None] == classes[None, :])  # [batch, bs]
-        n_r = jnp.sum(member, axis=0, dtype=jnp.int32)  # [bs]
-        same_before = jnp.cumsum(member, axis=0, dtype=jnp.int32) - member  # [batch, bs]
-        within = jnp.sum(jnp.where(member, same_before, 0), axis=1)  # [batch]
         t = t0[:, None] + bs * jnp.arange(max_new, dtype=jnp.int32)[None, :]  # [batch, new]
-        earlier = jnp.maximum(_cdiv(t[..., None] - classes, bs), 0)  # [batch, new, bs]
-        return jnp.sum(earlier * n_r, axis=-1) + within[:, None]
+        # Crossings of every entry i' before step t: [batch, new, batch'] summed over i'.
+        before = jnp.clip(_cdiv(t[..., None] - t0[None, None, :], bs), 0, need[None, None, :])
+        batch = need.shape[0]
+        order = jnp.arange(batch)
+        same = ((t0[None, :] == t0[:, None]) & (order[None, :] < order[:, None]))  # [b, b']
+        at_step = same[:, None, :] & (need[None, None, :] > jnp.arange(max_new)[None, :, None])
+        return jnp.sum(before, axis=-1) + jnp.sum(at_step, axis=-1, dtype=jnp.int32)
 
-    n = jnp.full(ids.shape, num_steps, jnp.int32)
     return _grow(state, ids, valid, code, old_len, active, n, dense, "reserve_steps",
                  rank_fn=rank_fn, max_new=max_new)
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_sampling", "filtered_logits", "filters_off", "sample"]
+__all__ = ["check_sampling", "filtered_logits", "filters_off", "row_keys", "sample"]
 
 # Temperatures are floored here before dividing: a row's temperature is only used when it is
 # > 0 (greedy rows take the argmax), and the floor keeps the division finite for those rows.
@@ -95,9 +95,26 @@ def _threshold(scaled, top_k, top_p) -> jax.Array:
     return jnp.where(p < 1, p_cut, k_cut)
 
 
+def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """One random key per row, ``[S]``: ``fold_in(key(seeds[r]), positions[r])``. A token
+    drawn with it depends only on its request's seed and its position in the sequence, never
+    on the row it runs in or on what else is batched."""
+    seeds = jnp.asarray(seeds, jnp.uint32)
+    positions = jnp.asarray(positions, jnp.uint32)
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+
+
+def _categorical(key, logits):
+    """``jax.random.categorical`` with one key for the batch, or one key per row ([S])."""
+    if jnp.ndim(key) == 1:
+        return jax.vmap(jax.random.categorical)(key, logits)
+    return jax.random.categorical(key, logits)
+
+
 def sample(
     logits: jax.Array,  # [S, V] float
-    key: jax.Array | None,  # a jax.random key; unused (may be None) when temperature is 0
+    key: jax.Array | None,  # a jax.random key, or [S] keys (one per row, see ``row_keys``);
+    # unused (may be None) when temperature is 0
     temperature=0.0,  # scalar or [S] float >= 0; 0 = greedy row
     top_k=0,  # scalar or [S] int >= 0; 0 = off
     top_p=1.0,  # scalar or [S] float in (0, 1]; 1 = off
@@ -125,9 +142,9 @@ def _draw(logits, key, temperature, top_k, top_p, *, filters: bool):
     logits = jnp.asarray(logits)
     temp = _per_row(temperature, logits.shape[0], jnp.float32)
     if filters:
-        drawn = jax.random.categorical(key, _filtered(logits, temp, top_k, top_p, filters=True))
+        drawn = _categorical(key, _filtered(logits, temp, top_k, top_p, filters=True))
     else:  # the plain temperature draw, with no sort
-        drawn = jax.random.categorical(key, logits / jnp.maximum(temp, _MIN_TEMPERATURE)[:, None])
+        drawn = _categorical(key, logits / jnp.maximum(temp, _MIN_TEMPERATURE)[:, None])
     return jnp.where(temp > 0, drawn, _argmax(logits)).astype(jnp.int32)
 
 

@@ -280,9 +280,11 @@ def _check_decode_tokens(tokens, state: BlockState) -> None:
     _GOOD_TOKENS.add(seen)
 
 
-def _claim(kv: KVCache, state: BlockState, mask, num_steps: int, op: str = "decode_step"):
+def _claim(kv: KVCache, state: BlockState, mask, num_steps: int, op: str = "decode_step",
+           budgets=None):
     """The bookkeeping of ``num_steps`` decode steps for every row in ``mask``: the rows grow
-    by ``num_steps`` tokens (``append``, or ``reserve_steps`` for several), and a row's first
+    by ``num_steps`` tokens, or by their ``budgets`` ([S] int in ``0..num_steps``) when
+    given (``append``, or ``reserve_steps`` for several), and a row's first
     write, at its old length, is made private by copy-on-write if it lands in a shared block
     (every later write lands in a block handed out here). All-or-nothing: returns
     ``(kv, state, status)`` with the inputs unchanged when ``status.applied`` is false.
@@ -301,6 +303,9 @@ def _claim(kv: KVCache, state: BlockState, mask, num_steps: int, op: str = "deco
     """
     cfg, bs = state.config, state.config.block_size
     rows = jnp.arange(cfg.max_seqs, dtype=jnp.int32)
+    if budgets is not None:
+        mask = mask & (budgets > 0)
+    counts = jnp.where(mask, num_steps if budgets is None else budgets, 0)  # [S] new tokens
     ids = jnp.where(mask, rows, -1)  # [S]
     positions = state.seq_lens  # [S] where each row's first new token goes
     num_free = state.num_free  # before the op, as every Status reports it
@@ -311,9 +316,9 @@ def _claim(kv: KVCache, state: BlockState, mask, num_steps: int, op: str = "deco
         return mask & (block >= 0) & (st.ref_counts[jnp.clip(block, 0, cfg.num_blocks - 1)] > 1)
 
     def grow_op(st, rows_mask):
-        if num_steps == 1:
+        if num_steps == 1:  # budgets are then 0 or 1, and the 0s are not in the mask
             return append(st, rows_mask, 1)
-        return reserve_steps(st, rows_mask, num_steps)
+        return reserve_steps(st, rows_mask, num_steps, None if budgets is None else counts)
 
     def predicted(st):  # the step's status, worked out on the input state; nothing applied
         _, s_grow = grow_op(st, mask)
@@ -324,7 +329,7 @@ def _claim(kv: KVCache, state: BlockState, mask, num_steps: int, op: str = "deco
         return combine(ids, num_free, op, s_grow, s_cow)
 
     def fast(st, kv):  # nothing can fail: no select against the input state is needed
-        st = st.replace(seq_lens=jnp.where(mask, positions + num_steps, positions))
+        st = st.replace(seq_lens=positions + counts)
         return st, kv, _no_failure(ids, num_free, op)
 
     def slow(st, kv):
@@ -358,12 +363,12 @@ def _claim(kv: KVCache, state: BlockState, mask, num_steps: int, op: str = "deco
     # have) or its first write lands in a shared block. Growing never changes the block a
     # row's first write lands in, nor that block's ref count, so the input state tells.
     shared = shared_write(state)  # [S]
-    new_blocks = jnp.where(mask, _cdiv(positions + num_steps, bs) - _cdiv(positions, bs), 0)
+    new_blocks = _cdiv(positions + counts, bs) - _cdiv(positions, bs)
     needed = jnp.any(new_blocks > 0) | jnp.any(shared)
     # Neither op can fail while every row stays within its table and the pool holds the new
     # blocks plus one copy per row that writes into a shared block.
     demand = jnp.sum(new_blocks) + jnp.sum(shared, dtype=jnp.int32)
-    too_long = mask & (positions + num_steps > cfg.max_tokens_per_seq)  # [S]
+    too_long = mask & (positions + counts > cfg.max_tokens_per_seq)  # [S]
     may_fail = (demand > num_free) | jnp.any(too_long)
     st, kv, status = jax.lax.cond(needed, slow, fast, state, kv)
     return kv, st, status
@@ -381,14 +386,16 @@ def _no_failure(ids, num_free, op: str) -> Status:
 
 
 def _claim_feeding(kv: KVCache, state: BlockState, tokens, mask, num_steps: int,
-                   vocab_size: int, op: str):
+                   vocab_size: int, op: str, budgets=None):
     """``_claim`` for rows that feed ``tokens`` ([S]): refused as a whole, state and cache
     unchanged, when a row in ``mask`` feeds a token outside the vocabulary (``BAD_TOKEN``;
     every other row ``NOT_APPLIED``). A step that did not run emits -1, so a serving loop
     that feeds that back without looking gets a refusal, never a step over garbage: it can
     check the emitted tokens when it streams them rather than after every dispatch."""
+    if budgets is not None:
+        mask = mask & (budgets > 0)
     bad = _bad_tokens(tokens, mask, vocab_size)  # [S]
-    kv, new_state, status = _claim(kv, state, mask & ~jnp.any(bad), num_steps, op)
+    kv, new_state, status = _claim(kv, state, mask & ~jnp.any(bad), num_steps, op, budgets)
     ids = jnp.where(mask, jnp.arange(mask.shape[0], dtype=jnp.int32), -1)
     code = jnp.where(bad, jnp.int32(Code.BAD_TOKEN), jnp.int32(Code.OK))
     value, limit, at = details(code, {Code.BAD_TOKEN: (tokens, vocab_size, state.seq_lens)})
@@ -502,13 +509,14 @@ def _hoisted_bytes(kv: KVCache, state: BlockState) -> int:
 def _per_step(model, state, start, live, impl, interpret):
     """The K steps as K ``_forward`` calls over the pool: each writes, then gathers and attends.
 
-    Returns ``(step, extra)`` as ``_hoisted`` does: ``step(kv, extra, tokens, t) -> (logits,
-    kv, extra)`` and the first ``extra`` (here none)."""
+    Returns ``(step, extra)`` as ``_hoisted`` does: ``step(kv, extra, tokens, t, live_t) ->
+    (logits, kv, extra)``, where ``live_t`` ([S] bool, within ``live``) are the rows still
+    going at step ``t``, and the first ``extra`` (here none)."""
 
-    def step(kv, extra, tokens, t):
+    def step(kv, extra, tokens, t, live_t):
         positions = start + t
-        return _forward(model, kv, state, tokens, positions, live,
-                        _paged(state, positions, live, impl, interpret), extra)
+        return _forward(model, kv, state, tokens, positions, live_t,
+                        _paged(state, positions, live_t, impl, interpret), extra)
 
     return step, ()
 
@@ -532,7 +540,9 @@ def _hoisted(model, kv, state, start, live, num_steps):
     shape = (layers, rows, heads, num_steps, head_dim)
     sm_scale = 1.0 / math.sqrt(head_dim)  # paged_attention's default, which _paged uses
 
-    def step(kv, extra, tokens, t):
+    def step(kv, extra, tokens, t, live_t):
+        # A row still going at step t went at every step before it: its kept tokens 0..t
+        # are its own.
         new_live = (jnp.arange(num_steps)[None, :] <= t) & live[:, None]  # [rows, K]
 
         def attention(layer, q, k, v, kv, extra):
@@ -546,21 +556,26 @@ def _hoisted(model, kv, state, start, live, num_steps):
             segments = [context[layer], (new_k[layer], new_v[layer], new_live)]
             return attend_segments(q, segments, sm_scale=sm_scale), (new_k, new_v)
 
-        return _forward(model, kv, state, tokens, start + t, live, attention, extra)
+        return _forward(model, kv, state, tokens, start + t, live_t, attention, extra)
 
     return step, (jnp.zeros(shape, kv.k.dtype), jnp.zeros(shape, kv.v.dtype))
 
 
 def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, top_k=None, top_p=None,
+                  budgets=None, stop_ids=None, seeds=None,
                   *, num_steps, impl, interpret, return_logits, sample, filtered=False):
     model = _merge(graphdef, params)
     # All K steps' blocks are claimed once, up front: the scan body does no allocator work.
     mask = state.active
     start = state.seq_lens  # [S]
     tokens = tokens.astype(jnp.int32)
+    if budgets is not None:
+        budgets = budgets.astype(jnp.int32)
+        mask = mask & (budgets > 0)
     kv, state, status = _claim_feeding(kv, state, tokens, mask, num_steps,
-                                       model.config.vocab_size, "decode_steps")
+                                       model.config.vocab_size, "decode_steps", budgets)
     live = mask & status.applied
+    limit = jnp.full_like(start, num_steps) if budgets is None else budgets  # [S]
     if (num_steps > 1 and step_impl(impl, kv, state) == "xla"
             and _hoisted_bytes(kv, state) <= HOIST_MAX_BYTES):
         step, extra = _hoisted(model, kv, state, start, live, num_steps)
@@ -568,25 +583,56 @@ def _decode_steps(graphdef, params, kv, state, tokens, key, temperature, top_k=N
         step, extra = _per_step(model, state, start, live, impl, interpret)
 
     def body(loop, xs):
-        kv, extra, tokens = loop
+        kv, extra, tokens, going = loop  # going: [S] rows that run step t
         t, step_key = xs
-        logits, kv, extra = step(kv, extra, tokens, t)
+        logits, kv, extra = step(kv, extra, tokens, t, going)
+        if seeds is not None and sample:  # one key per row: its seed, the new token's position
+            step_key = sampling.row_keys(seeds, start + t + 1)
         if sample:  # static: a greedy run draws no random numbers
             # Static too: with the filters off, the scan has no full-vocabulary sort.
             nxt = (sampling.sample(logits, step_key, temperature, top_k, top_p) if filtered
                    else sampling.sample(logits, step_key, temperature))
         else:
             nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        emitted = jnp.where(live, nxt, -1)  # [S]
-        tokens = jnp.where(live, nxt, tokens)
+        emitted = jnp.where(going, nxt, -1)  # [S]
+        tokens = jnp.where(going, nxt, tokens)
+        stopped = jnp.zeros_like(going) if stop_ids is None else jnp.any(
+            (nxt[:, None] == stop_ids) & (stop_ids >= 0), axis=1)
+        going = going & ~stopped & (t + 1 < limit)
         out = (emitted, logits) if return_logits else (emitted,)
-        return (kv, extra, tokens), out
+        return (kv, extra, tokens, going), out
 
-    keys = jax.random.split(key, num_steps) if sample else None
+    keys = jax.random.split(key, num_steps) if sample and seeds is None else None
     steps = (jnp.arange(num_steps, dtype=jnp.int32), keys)
-    (kv, _, _), out = jax.lax.scan(body, (kv, extra, tokens), steps)
+    (kv, _, _, _), out = jax.lax.scan(body, (kv, extra, tokens, live), steps)
     logits = out[1] if return_logits else None
     return out[0], logits, kv, state, status
+
+
+def _check_row_controls(state: BlockState, num_steps: int, budgets, stop_ids, seeds):
+    """``decode_steps``' per-row controls as int32 arrays, or a ``ValueError`` naming the bad
+    one (shape, dtype, or a budget outside ``0..num_steps``)."""
+    rows = state.config.max_seqs
+    out = []
+    for name, x, ndim in (("budgets", budgets, 1), ("stop_ids", stop_ids, 2), ("seeds", seeds, 1)):
+        if x is None:
+            out.append(None)
+            continue
+        dtype = getattr(x, "dtype", None) or np.asarray(x).dtype
+        shape = np.shape(x)
+        if len(shape) != ndim or shape[0] != rows or not np.issubdtype(dtype, np.integer):
+            want = f"[{rows}]" if ndim == 1 else f"[{rows}, M]"
+            raise ValueError(f"{name} must be a {want} int array (one row per sequence slot). "
+                             f"Got {dtype}{shape}.")
+        out.append(jnp.asarray(x, jnp.int32))
+    if budgets is not None and not isinstance(budgets, jax.core.Tracer):
+        host = np.asarray(budgets)
+        bad = (host < 0) | (host > num_steps)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"budgets must be in 0..num_steps ({num_steps}). Got {host[row]} "
+                             f"at row {row}.")
+    return tuple(out)
 
 
 @functools.cache
@@ -618,10 +664,22 @@ def decode_steps(
     impl: str = "auto",
     interpret: bool = False,
     return_logits: bool = False,
+    budgets: jax.Array | None = None,  # [max_seqs] int in 0..num_steps: steps per row
+    stop_ids: jax.Array | None = None,  # [max_seqs, M] int, -1 = none: ids that end a row
+    seeds: jax.Array | None = None,  # [max_seqs] int: per-row keys by (seed, position)
 ) -> tuple[jax.Array, jax.Array | None, KVCache, BlockState, Status]:
     """``num_steps`` decode steps in one dispatch (a ``lax.scan``), each step's token fed
     back: greedy (``temperature == 0``) or sampled with ``key`` by ``sampling.sample`` at
     ``temperature``, ``top_k`` and ``top_p`` (each a scalar or one value per sequence slot).
+
+    Rows stop inside the dispatch (what a serving loop needs to keep ``num_steps`` at 8 or
+    more without overrun): with ``budgets``, active row ``r`` runs at most ``budgets[r]``
+    steps and claims blocks for those only (0: the row does not decode, as a slot still being
+    prefilled); with ``stop_ids``, a row that emits one of its ids (EOS, say) emits it and
+    nothing after. A row that stopped early keeps the slots it claimed up to its budget, and
+    a serving loop releases it. With ``seeds``, row ``r`` draws the token at position ``p``
+    with ``sampling.row_keys``: ``fold_in(key(seeds[r]), p)``, whatever else is batched
+    (``key`` is then unused).
 
     A Python ``temperature`` of 0 compiles a greedy-only scan that draws no random numbers
     (``top_k`` and ``top_p`` cannot change an argmax); Python ``top_k=0`` and ``top_p=1.0``
@@ -652,17 +710,18 @@ def decode_steps(
     check_cache(kv, state)
     step_impl(impl, kv, state)
     sampling.check_sampling(temperature, top_k, top_p, rows=state.config.max_seqs)
+    budgets, stop_ids, seeds = _check_row_controls(state, num_steps, budgets, stop_ids, seeds)
     # A Python 0 compiles a greedy-only scan; any other value (or an array) can sample.
     sample = not (isinstance(temperature, (int, float)) and temperature == 0)
     filtered = sample and not sampling.filters_off(top_k, top_p)
     if not sample:
         key = temperature = None  # nothing to pass: the greedy scan takes neither
-    elif key is None:
+    elif key is None and seeds is None:
         key = _default_key()
     if not filtered:
         top_k = top_p = None  # nor does a scan without the filters
     return _decode_steps_jit(
         _key(graphdef), params, kv, state, tokens, key, temperature, top_k, top_p,
-        num_steps=num_steps, impl=impl, interpret=interpret, return_logits=return_logits,
-        sample=sample, filtered=filtered,
+        budgets, stop_ids, seeds, num_steps=num_steps, impl=impl, interpret=interpret,
+        return_logits=return_logits, sample=sample, filtered=filtered,
     )

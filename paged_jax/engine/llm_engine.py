@@ -1,0 +1,636 @@
+"""``LLMEngine``: continuous batching over the jitted steps, one object owning the compiled work.
+
+The engine holds the model as ``(graphdef, params)``, the paged ``KVCache``, the allocator's
+``BlockState``, the jitted allocator ops it applies between dispatches, the ``Scheduler``
+and the ``PrefixCache``. Each ``step()`` runs one iteration of the scheduler's plan:
+
+1. release the slots of preempted sequences;
+2. evict cached blocks the iteration needs (least recently used first);
+3. one ragged ``prefill`` of the planned chunks (new admissions start on their prefix-cache
+   hit through ``admit_cached`` and prefill only the rest); a prompt whose last chunk ran
+   samples its first token, and a request with ``n > 1`` forks its completions there
+   (``fork``: they share every block; the first decode dispatch copies the partly filled
+   last block on write);
+4. one ``decode_steps`` dispatch of K steps for every decoding sequence, with each row's
+   remaining budget and stop ids inside the dispatch;
+5. on the host: new tokens, stop strings, finished sequences released, newly full blocks
+   entered in the prefix cache.
+
+Prefill widths are bucketed to powers of two from ``MIN_PREFILL_WIDTH`` up to
+``max_num_batched_tokens`` and its rows to powers of two up to ``max_num_seqs``, so at most
+``(log2(max_num_seqs) + 1) * (log2(max_num_batched_tokens / MIN_PREFILL_WIDTH) + 1)`` prefill
+executables are compiled, whatever the prompts (``prefill_buckets``). Decode compiles once
+per sampling kind in use (greedy, sampled, sampled with top-k/top-p).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import time
+from collections.abc import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paged_jax.allocator import (
+    CacheConfig,
+    admit_cached,
+    check_invariants,
+    fork,
+    free_blocks,
+    init_state,
+    release,
+    share_blocks,
+)
+from paged_jax.engine.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from paged_jax.engine.prefix_cache import ROOT, Lookup, PrefixCache
+from paged_jax.engine.sampling import row_keys, sample
+from paged_jax.engine.scheduler import Plan, Scheduler, Sequence
+from paged_jax.engine.steps import decode_steps, prefill
+from paged_jax.kvcache import init_cache, plan_blocks
+from paged_jax.model.llama import Llama
+
+__all__ = ["EngineStats", "LLMEngine", "prefill_buckets"]
+
+MIN_PREFILL_WIDTH = 16
+DEFAULT_KV_BYTES = 256 << 20  # the pool's memory when num_blocks is not given
+
+
+def _pow2_at_least(n: int, low: int, high: int) -> int:
+    return min(max(low, 1 << max(n - 1, 0).bit_length()), high)
+
+
+def prefill_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
+    """Every ``(rows, width)`` a prefill may compile for: the bound on prefill executables."""
+    rows = sorted({_pow2_at_least(r, 1, max_num_seqs) for r in range(1, max_num_seqs + 1)})
+    widths = sorted({_pow2_at_least(w, MIN_PREFILL_WIDTH, max_num_batched_tokens)
+                     for w in range(1, max_num_batched_tokens + 1)})
+    return [(r, w) for r in rows for w in widths]
+
+
+def _stop_at(text: str, stops) -> int | None:
+    """Where the first of ``stops`` begins in ``text``, or None."""
+    found = [i for i in (text.find(x) for x in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of a request's ``index``-th completion: its own seed for the first, a hash of
+    (seed, index) for the others, so that the completions differ and each is reproducible."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    arrival: int
+    seqs: list[Sequence]
+    texts: dict[int, str] = dataclasses.field(default_factory=dict)
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.aborted or (len(self.seqs) == self.params.n
+                                and all(s.finish_reason is not None for s in self.seqs))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine (``LLMEngine.stats``). Token occupancy is the tokens the
+    running sequences hold over the pool's token capacity, beside block occupancy: the gap
+    is internal fragmentation (the unfilled tails of last blocks)."""
+
+    running: int
+    waiting: int
+    preemptions: int
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int
+    blocks_cached: int
+    block_occupancy: float
+    token_occupancy: float
+    prefix_cache_hit_rate: float
+    copy_on_write_copies: int
+    prefill_executables: int
+
+
+class LLMEngine:
+    """Serve requests as they come and go: ``add_request``, ``step``, ``abort_request``.
+
+    Args:
+      model: a ``Llama``.
+      tokenizer: a ``paged_jax.model.tokenizer.Tokenizer`` for text prompts, output text and
+        stop strings; None for token ids only.
+      eos_token_id: the id that ends a completion (default: the tokenizer's).
+      block_size, num_blocks: the pool; ``num_blocks=None`` fits ``kv_cache_bytes`` (256 MiB
+        by default) through ``plan_blocks``.
+      max_num_seqs: sequence slots (rows of every dispatch).
+      max_model_len: tokens per sequence at most, prompt plus output (the table width).
+      max_num_batched_tokens: prefill tokens per iteration at most (the chunk budget).
+      steps_per_dispatch: K, decode steps per dispatch.
+      enable_prefix_caching: keep full blocks for later prompts with the same prefix.
+      seed: the default for requests without their own.
+      impl: the decode attention (``"auto"``, ``"xla"``, ``"pallas"``).
+      debug: check the allocator's invariants and the host's view after every step.
+    """
+
+    def __init__(self, model: Llama, tokenizer=None, *, eos_token_id: int | None = None,
+                 block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 8,
+                 max_model_len: int = 1024, max_num_batched_tokens: int = 512,
+                 steps_per_dispatch: int = 8, enable_prefix_caching: bool = True,
+                 seed: int = 0, impl: str = "auto", kv_cache_bytes: int = DEFAULT_KV_BYTES,
+                 debug: bool = False):
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                            ("max_model_len", max_model_len),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("steps_per_dispatch", steps_per_dispatch)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int. Got {value!r}.")
+        if num_blocks is None:
+            num_blocks = plan_blocks(model.config, kv_cache_bytes, block_size).num_blocks
+        max_blocks = math.ceil(max_model_len / block_size)
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int. Got {num_blocks!r}.")
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        if eos_token_id is None and tokenizer is not None:
+            eos_token_id = tokenizer.eos_token_id
+        self.eos_token_id = eos_token_id
+        self.cache_config = CacheConfig(num_blocks=num_blocks, block_size=block_size,
+                                        max_seqs=max_num_seqs, max_blocks_per_seq=max_blocks)
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.steps_per_dispatch = steps_per_dispatch
+        self.enable_prefix_caching = enable_prefix_caching
+        self.seed, self.impl, self.debug = seed, impl, debug
+
+        graphdef, params = nnx.split(model)
+        self.graphdef, self.params = graphdef, nnx.to_pure_dict(params)
+        self.kv = init_cache(model.config, self.cache_config)
+        self.state = init_state(self.cache_config)
+        # The allocator ops applied between dispatches, jitted once for this engine; the
+        # state is donated, so each updates the pool in place.
+        self._release = jax.jit(release, donate_argnums=0)
+        self._fork = jax.jit(fork, donate_argnums=0)
+        self._admit_cached = jax.jit(admit_cached, donate_argnums=0)
+        self._hold = jax.jit(share_blocks, donate_argnums=0)
+        self._unhold = jax.jit(free_blocks, donate_argnums=0)
+        self._invariants = jax.jit(check_invariants)
+
+        self.scheduler = Scheduler(max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   steps_per_dispatch=steps_per_dispatch, block_size=block_size)
+        self.prefix_cache = PrefixCache(block_size)
+        self.requests: dict[str, _Request] = {}
+        self._arrivals = 0
+        self._cow_copies = 0
+        self._prefill_shapes: set[tuple[int, int]] = set()
+        # Per slot: the chain hash of its last cached full block and how many are entered.
+        self._chain: dict[int, tuple[int, bytes]] = {}
+        self._snap = None
+        self.lookups: list[tuple[str, Lookup]] = []
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Seq[int],
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. ``prompt`` is text (with a tokenizer) or token ids. Raises
+        ``ValueError`` naming the problem (a duplicate id, an empty prompt, a token outside
+        the vocabulary, a request that can never fit) with nothing else changed."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams. Got {type(params).__name__}.")
+        if request_id in self.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        text, ids = self._prompt_ids(prompt)
+        total = len(ids) + params.max_tokens
+        cap = min(self.cache_config.max_tokens_per_seq, self.max_model_len)
+        pool = self.cache_config.num_blocks * self.cache_config.block_size
+        if total > cap:
+            raise ValueError(
+                f"Request {request_id!r}: prompt ({len(ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) = {total} exceeds max_model_len {cap}.")
+        blocks = math.ceil(total / self.cache_config.block_size) + params.n - 1
+        if blocks > self.cache_config.num_blocks:
+            raise ValueError(
+                f"Request {request_id!r}: prompt ({len(ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) needs {blocks} blocks with n={params.n}, more than the "
+                f"pool's {self.cache_config.num_blocks} ({pool} tokens).")
+        if params.n > self.cache_config.max_seqs:
+            raise ValueError(f"Request {request_id!r}: n={params.n} exceeds max_num_seqs "
+                             f"{self.cache_config.max_seqs}.")
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        seed = self.seed * 1_000_003 + self._arrivals if params.seed is None else params.seed
+        seq = Sequence(request_id=request_id, index=0, arrival=self._arrivals,
+                       prompt_ids=list(ids), max_tokens=params.max_tokens, fork=params.n,
+                       seed=completion_seed(seed, 0), request_seed=seed)
+        self.requests[request_id] = _Request(request_id, text, list(ids), params,
+                                             RequestMetrics(arrival_time=now), self._arrivals,
+                                             [seq])
+        self._arrivals += 1
+        self.scheduler.add(seq)
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("A text prompt needs a tokenizer; this engine has none. Pass "
+                                 "token ids.")
+            if not prompt:
+                raise ValueError("The prompt is empty.")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("The prompt is empty (no token ids).")
+        vocab = self.model_config.vocab_size
+        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
+        if bad:
+            i, t = bad[0]
+            raise ValueError(f"Prompt token {t} at position {i} is outside the vocabulary "
+                             f"[0, {vocab}).")
+        return None, ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now: its slots and blocks are released and it is forgotten (it is
+        not reported again). ``KeyError`` for an id that is not running or waiting."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"No unfinished request {request_id!r} to abort.")
+        req.aborted = True
+        live = [s for s in req.seqs if s.finish_reason is None]
+        for s in live:
+            s.finish_reason = "abort"
+        self._free(self.scheduler.remove(live))
+        req.metrics.finished_time = time.perf_counter()
+        del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the block arithmetic the scheduler plans with (BlockCounter) -----------------------
+
+    def _snapshot(self):
+        st = self.state
+        ref, held, tables, num_free = jax.device_get(
+            (st.ref_counts, st.held, st.block_tables, st.num_free))
+        cached = set(self.prefix_cache.blocks())
+        # A cached block no sequence references holds only the cache's reference.
+        evictable = {b for b in cached if ref[b] == 1}
+        self._snap = dict(ref=ref, held=held, tables=tables, num_free=int(num_free),
+                          evictable=evictable, hits={})
+
+    def free(self) -> int:
+        return self._snap["num_free"] + len(self._snap["evictable"])
+
+    def decode_need(self, seq: Sequence, steps: int) -> int:
+        bs = self.cache_config.block_size
+        length = seq.cached
+        need = -(-(length + steps) // bs) - -(-length // bs)
+        if length % bs:
+            block = self._snap["tables"][seq.slot, length // bs]
+            need += int(self._snap["ref"][block] > 1)  # a copy on write
+        return need
+
+    def lookup(self, seq: Sequence) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        blocks, record = self.prefix_cache.lookup(seq.target)
+        self._snap["hits"][id(seq)] = blocks
+        self.lookups.append((seq.request_id, record))
+        return record.hit_tokens
+
+    def prefill_need(self, seq: Sequence, upto: int) -> int:
+        bs = self.cache_config.block_size
+        need = -(-upto // bs) - -(-seq.cached // bs)
+        if seq.slot is None:  # an admission: its hit's evictable blocks leave the free count
+            need += sum(b in self._snap["evictable"] for b in self._snap["hits"].get(id(seq), ()))
+        return need
+
+    def held_alone(self, seq: Sequence) -> int:
+        bs = self.cache_config.block_size
+        row = self._snap["tables"][seq.slot, : -(-seq.cached // bs)]
+        ref, held = self._snap["ref"], self._snap["held"]
+        # Freed, or left evictable, where this sequence is the block's only table reference.
+        return int(sum(ref[b] - held[b] == 1 for b in row))
+
+    # -- one iteration -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the requests whose outputs changed (new tokens, or
+        finished), each with its whole output so far."""
+        self._snapshot()
+        plan = self.scheduler.schedule(self)
+        touched: dict[str, _Request] = {}
+        now = time.perf_counter()
+        for seq, slot in plan.preempt:
+            self._release_slots([slot])
+            self.requests[seq.request_id].metrics.preemptions += 1
+        self._evict_for(plan)
+        if plan.prefill:
+            self._run_prefill(plan, touched, now)
+        if plan.decode:
+            self._run_decode(plan, touched)
+        if self.debug:
+            self.check()
+        outputs = [self._output(req) for req in touched.values()]
+        for req in touched.values():  # a finished request is reported once, then forgotten
+            if req.finished:
+                del self.requests[req.request_id]
+        return outputs
+
+    def _evict_for(self, plan: Plan) -> None:
+        """Free cached blocks until the plan's new blocks fit in the free list."""
+        need = sum(self.decode_need(s, n) for s, n in plan.decode)
+        for _, start, length in plan.prefill:
+            need += -(-(start + length) // self.cache_config.block_size) - -(
+                -start // self.cache_config.block_size)
+        need += sum(s.fork - 1 for s, start, length in plan.prefill
+                    if start + length == len(s.target))
+        short = need - int(self.state.num_free)
+        if short <= 0:
+            return
+        in_use = {b for blocks in self._snap["hits"].values() for b in blocks}
+        evictable = self._snap["evictable"] - in_use
+        gone = self.prefix_cache.evict(short, evictable)
+        if gone:
+            self.state, status = self._unhold(self.state, jnp.asarray(gone, jnp.int32))
+            status.raise_if_failed()
+
+    def _run_prefill(self, plan: Plan, touched, now: float) -> None:
+        cfg = self.cache_config
+        rows = plan.prefill
+        # New admissions start on their prefix-cache hit (or on nothing); every prefill row
+        # then extends its active slot.
+        if plan.admitted:
+            ids = np.full(cfg.max_seqs, -1, np.int32)
+            tables = np.full((cfg.max_seqs, cfg.max_blocks_per_seq), -1, np.int32)
+            counts = np.zeros(cfg.max_seqs, np.int32)
+            for i, s in enumerate(plan.admitted):
+                blocks = self._snap["hits"].get(id(s), [])[: s.cached // cfg.block_size]
+                ids[i] = s.slot
+                tables[i, : len(blocks)] = blocks
+                counts[i] = s.cached
+                self._chain[s.slot] = (len(blocks), self._hash_of(blocks))
+            self.state, status = self._admit_cached(self.state, ids, tables, counts)
+            status.raise_if_failed()
+        width = _pow2_at_least(max(length for _, _, length in rows), MIN_PREFILL_WIDTH,
+                               self.max_num_batched_tokens)
+        nrows = _pow2_at_least(len(rows), 1, cfg.max_seqs)
+        self._prefill_shapes.add((nrows, width))
+        tokens = np.zeros((nrows, width), np.int32)
+        slots = np.full(nrows, -1, np.int32)
+        lens = np.zeros(nrows, np.int32)
+        for i, (s, start, length) in enumerate(rows):
+            tokens[i, :length] = s.target[start:start + length]
+            slots[i], lens[i] = s.slot, length
+        extend = slots >= 0  # every real row continues its (possibly empty) active slot
+        logits, self.kv, self.state, status = prefill(
+            self.graphdef, self.params, self.kv, self.state, tokens, slots, lens, extend)
+        status.raise_if_failed()
+        done = []
+        for i, (s, start, length) in enumerate(rows):
+            s.cached = start + length
+            self._enter_blocks(s)
+            req = self.requests[s.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            if s.cached == len(s.target):
+                done.append((i, s))
+        if done:
+            self._first_tokens(logits, done, touched)
+
+    def _hash_of(self, blocks) -> bytes:
+        return self.prefix_cache.by_block[blocks[-1]] if blocks else ROOT
+
+    def _first_tokens(self, logits, done, touched) -> None:
+        """Sample each finished prompt's first token (forking ``n > 1`` first)."""
+        rows, seqs = [], []
+        for i, s in done:
+            s.decoding = True
+            if s.fork > 1:
+                children = self._fork_children(s)
+                rows += [i] * (1 + len(children))
+                seqs += [s, *children]
+            else:
+                rows.append(i)
+                seqs.append(s)
+        params = [self.requests[s.request_id].params for s in seqs]
+        picked = logits[jnp.asarray(rows)]
+        temps = np.array([p.temperature for p in params], np.float32)
+        if not temps.any():
+            first = np.asarray(sample(picked, None, 0.0))
+        else:
+            keys = row_keys(np.array([s.seed for s in seqs], np.uint32),
+                            np.array([len(s.target) for s in seqs], np.uint32))
+            first = np.asarray(sample(picked, keys, temps,
+                                      np.array([p.filter_top_k for p in params], np.int32),
+                                      np.array([p.top_p for p in params], np.float32)))
+        for s, token in zip(seqs, first.tolist(), strict=True):
+            self._emit(s, [token], touched)
+
+    def _fork_children(self, parent: Sequence) -> list[Sequence]:
+        req = self.requests[parent.request_id]
+        slots, parent.reserved = parent.reserved, []
+        children = []
+        for index, slot in enumerate(slots, start=1):
+            child = Sequence(request_id=parent.request_id, index=index, arrival=parent.arrival,
+                             prompt_ids=parent.prompt_ids, max_tokens=parent.max_tokens,
+                             slot=slot, cached=parent.cached, decoding=True,
+                             seed=completion_seed(parent.request_seed, index),
+                             request_seed=parent.request_seed)
+            children.append(child)
+            self.scheduler.adopt(child)
+            self._chain[slot] = self._chain[parent.slot]
+        parent.fork = 1
+        ids = np.full(self.cache_config.max_seqs, -1, np.int32)
+        parents = np.full(self.cache_config.max_seqs, -1, np.int32)
+        ids[: len(slots)] = slots
+        parents[: len(slots)] = parent.slot
+        self.state, status = self._fork(self.state, parents, ids)
+        status.raise_if_failed()
+        req.seqs += children
+        return children
+
+    def _run_decode(self, plan: Plan, touched) -> None:
+        cfg = self.cache_config
+        s_count = cfg.max_seqs
+        new_blocks = 0
+        free_before = int(self.state.num_free)
+        tokens = np.zeros(s_count, np.int32)
+        budgets = np.zeros(s_count, np.int32)
+        seeds = np.zeros(s_count, np.int32)
+        temps = np.zeros(s_count, np.float32)
+        top_k = np.zeros(s_count, np.int32)
+        top_p = np.ones(s_count, np.float32)
+        stops = [[] for _ in range(s_count)]
+        for s, n in plan.decode:
+            p = self.requests[s.request_id].params
+            r = s.slot
+            tokens[r], budgets[r], seeds[r] = s.output_ids[-1], n, s.seed
+            temps[r], top_k[r], top_p[r] = p.temperature, p.filter_top_k, p.top_p
+            stops[r] = sorted(self._stop_ids(p))
+            new_blocks += -(-(s.cached + n) // cfg.block_size) - -(-s.cached // cfg.block_size)
+        width = _pow2_at_least(max(map(len, stops)), 1, 1 << 30)
+        stop_ids = np.full((s_count, width), -1, np.int32)
+        for r, ids in enumerate(stops):
+            stop_ids[r, : len(ids)] = ids
+        sampled = bool(temps.any())
+        filtered = sampled and bool((top_k > 0).any() or (top_p < 1).any())
+        toks, _, self.kv, self.state, status = decode_steps(
+            self.graphdef, self.params, self.kv, self.state, tokens, None,
+            temps if sampled else 0.0, top_k=top_k if filtered else 0,
+            top_p=top_p if filtered else 1.0, num_steps=self.steps_per_dispatch,
+            impl=self.impl, budgets=budgets, stop_ids=stop_ids,
+            seeds=seeds if sampled else None)
+        toks = np.asarray(jax.device_get(toks))  # [K, S], the host round trip
+        status.raise_if_failed()
+        # Blocks taken beyond the new ones were copies on write (a first write after a fork).
+        self._cow_copies += free_before - int(self.state.num_free) - new_blocks
+        for s, n in plan.decode:
+            column = toks[:n, s.slot]
+            emitted = column[column >= 0].tolist()
+            s.cached += len(emitted)
+            self._emit(s, emitted, touched)
+
+    def _emit(self, seq: Sequence, new: list[int], touched) -> None:
+        """Append ``new`` tokens to ``seq``, finish it if it ended, enter its full blocks."""
+        req = self.requests[seq.request_id]
+        now = time.perf_counter()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        p = req.params
+        stop_ids = self._stop_ids(p)
+        for token in new:
+            seq.output_ids.append(token)
+            req.metrics.token_times.append(now)
+            if token in stop_ids:
+                seq.finish_reason = "stop"
+                break
+            if seq.remaining == 0:
+                seq.finish_reason = "length"
+                break
+        text = self._text(seq)
+        if p.stop and text is not None and _stop_at(text, p.stop) is not None:
+            # Drop the tokens after the one that completed the stop string, and the string.
+            while len(seq.output_ids) > 1 and _stop_at(self._text(seq, -1), p.stop) is not None:
+                seq.output_ids.pop()
+            text = text[: _stop_at(text, p.stop)]
+            seq.finish_reason = "stop"
+        req.texts[seq.index] = text or ""
+        touched[req.request_id] = req
+        if seq.finish_reason is not None:
+            self._free(self.scheduler.remove([seq]))
+            if req.finished:
+                req.metrics.finished_time = now
+        elif seq.slot is not None:
+            self._enter_blocks(seq)
+
+    def _stop_ids(self, p: SamplingParams) -> set[int]:
+        ids = set(p.stop_token_ids)
+        if not p.ignore_eos and self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        return ids
+
+    def _text(self, seq: Sequence, end: int | None = None) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(seq.output_ids[:end])
+
+    # -- blocks --------------------------------------------------------------------------------
+
+    def _enter_blocks(self, seq: Sequence) -> None:
+        """Enter ``seq``'s newly full blocks in the prefix cache, holding each new one."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.cache_config.block_size
+        done, parent = self._chain.get(seq.slot, (0, ROOT))
+        full = seq.cached // bs
+        if full <= done:
+            return
+        table = np.asarray(jax.device_get(self.state.block_tables[seq.slot]))
+        hold = []
+        target = seq.target
+        for j in range(done, full):
+            parent, new = self.prefix_cache.insert(parent, target[j * bs:(j + 1) * bs],
+                                                   int(table[j]))
+            if new:
+                hold.append(int(table[j]))
+        self._chain[seq.slot] = (full, parent)
+        if hold:
+            self.state, status = self._hold(self.state, jnp.asarray(hold, jnp.int32))
+            status.raise_if_failed()
+
+    def _free(self, seqs: list[Sequence]) -> None:
+        self._release_slots([s.slot for s in seqs])
+        for s in seqs:
+            s.slot = None
+
+    def _release_slots(self, slots: list[int]) -> None:
+        slots = [s for s in slots if s is not None]
+        if not slots:
+            return
+        ids = np.full(self.cache_config.max_seqs, -1, np.int32)
+        ids[: len(slots)] = slots
+        self.state, status = self._release(self.state, ids)
+        status.raise_if_failed()
+        for slot in slots:
+            self._chain.pop(slot, None)
+
+    # -- reports ------------------------------------------------------------------------------
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = [CompletionOutput(index=s.index, text=req.texts.get(s.index, ""),
+                                 token_ids=list(s.output_ids), finish_reason=s.finish_reason)
+                for s in sorted(req.seqs, key=lambda s: s.index)]
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                             prompt_token_ids=list(req.prompt_ids), outputs=outs,
+                             finished=req.finished, metrics=req.metrics)
+
+    def output(self, request_id: str) -> RequestOutput:
+        return self._output(self.requests[request_id])
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` unless the pool's invariants hold and the host's view
+        (slots, lengths, cached blocks' held references) matches the device state."""
+        report = jax.device_get(self._invariants(self.state))
+        broken = [k for k, v in report.items() if not bool(v)]
+        assert not broken, f"allocator invariants broken: {broken}"
+        st = self.state
+        lens, active, held = jax.device_get((st.seq_lens, st.active, st.held))
+        slots = {s.slot: s for s in self.scheduler.running}
+        for slot in range(self.cache_config.max_seqs):
+            seq = slots.get(slot)
+            assert bool(active[slot]) == (seq is not None), f"slot {slot} active={active[slot]}"
+            if seq is not None:
+                assert int(lens[slot]) == seq.cached, (slot, int(lens[slot]), seq.cached)
+        cached = set(self.prefix_cache.blocks())
+        assert {int(b) for b in np.flatnonzero(held)} == cached, "held blocks != cached blocks"
+
+    def stats(self) -> EngineStats:
+        st = self.state
+        ref, num_free = jax.device_get((st.ref_counts, st.num_free))
+        cfg = self.cache_config
+        running = self.scheduler.running
+        used = int(cfg.num_blocks - num_free)
+        tokens = sum(s.cached for s in running)
+        return EngineStats(
+            running=len(running), waiting=len(self.scheduler.waiting),
+            preemptions=self.scheduler.num_preemptions, blocks_total=cfg.num_blocks,
+            blocks_used=used, blocks_free=int(num_free),
+            blocks_cached=len(self.prefix_cache),
+            block_occupancy=used / cfg.num_blocks,
+            token_occupancy=tokens / (cfg.num_blocks * cfg.block_size),
+            prefix_cache_hit_rate=self.prefix_cache.hit_rate,
+            copy_on_write_copies=self._cow_copies,
+            prefill_executables=len(self._prefill_shapes))

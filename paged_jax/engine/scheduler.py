@@ -1,0 +1,232 @@
+"""The engine's scheduler: plain Python, no JAX, testable without a model.
+
+Every ``LLMEngine.step`` asks ``Scheduler.schedule`` for one iteration's plan:
+
+1. **Decode.** Every running sequence whose prompt is in the cache decodes
+   ``min(K, tokens it may still produce)`` tokens in one K-step dispatch.
+2. **Preemption by recompute.** If the pool cannot hold that dispatch's blocks, the newest
+   sequence (latest arrival, then highest completion index) is preempted: its slot and blocks
+   are freed and it goes back to the front of the queue, to resume later from its prompt plus
+   what it generated (the prefix cache keeps most of that cheap). Repeated until the
+   dispatch fits. The oldest sequence always makes progress, so nothing deadlocks; nothing
+   is dropped.
+3. **Chunked prefill.** Then prompts are prefilled, at most ``max_num_batched_tokens`` tokens
+   in all per iteration: first the chunks of prompts already started, then new admissions,
+   first come first served (preempted sequences first). A waiting sequence is admitted only
+   when a slot is free (``n`` slots for a request with ``n`` completions, which fork after
+   the prefill) and the pool holds its whole prompt plus one copy-on-write block per extra
+   completion beside the decode dispatch; so a long prompt stalls running requests for at
+   most one chunk per iteration, and a prompt is never started that cannot finish.
+
+The plan is separate prefill-chunk and decode dispatches in one iteration (not one ragged
+step that mixes them): the decode dispatch is the K-step scan, whose point is K tokens per
+host round trip, and a mixed step would be one token per trip.
+
+Blocks are counted through a ``BlockCounter`` the engine provides (the device state's free
+count, the prefix cache's hits and evictable blocks); the scheduler only adds them up.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable
+from typing import Protocol
+
+__all__ = ["BlockCounter", "Plan", "Scheduler", "Sequence"]
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One completion of a request, the unit that holds a slot.
+
+    ``target`` is what must be in the cache before it decodes: the prompt, plus its own
+    generated tokens after a preemption. ``cached`` counts its tokens in the KV cache.
+    ``fork`` is the number of completions it splits into after its prefill (``n`` for a new
+    request's first sequence, 1 otherwise); ``reserved`` holds the slots kept for them from
+    its admission on. ``decoding`` turns on with its first token after a prefill: from then
+    on its cache holds every token but the newest, which the next decode step feeds.
+    """
+
+    request_id: str
+    index: int
+    arrival: int  # the request's arrival order: older first
+    prompt_ids: list[int]
+    max_tokens: int
+    fork: int = 1
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    cached: int = 0
+    finish_reason: str | None = None
+    preemptions: int = 0
+    decoding: bool = False
+    reserved: list[int] = dataclasses.field(default_factory=list)
+    seed: int = 0  # this completion's sampling seed
+    request_seed: int = 0  # its request's, from which the siblings' seeds derive
+
+    @property
+    def target(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.output_ids)
+
+    @property
+    def age(self) -> tuple[int, int]:
+        return (self.arrival, self.index)
+
+
+class BlockCounter(Protocol):
+    """Block arithmetic for the scheduler.
+
+    * ``free()``: blocks the next dispatches may take (free ones plus evictable cached ones);
+    * ``decode_need(seq, steps)``: new blocks for ``steps`` decode steps (copies included);
+    * ``lookup(seq)``: tokens of a queued sequence's target already cached (a prefix hit,
+      whole blocks, always short of the whole target);
+    * ``prefill_need(seq, upto)``: blocks to take ``seq`` from ``seq.cached`` to ``upto``
+      cached tokens (for a new admission, counting the hit's blocks that would otherwise be
+      evictable);
+    * ``held_alone(seq)``: blocks that releasing ``seq`` makes available again.
+    """
+
+    def free(self) -> int: ...
+
+    def decode_need(self, seq: Sequence, steps: int) -> int: ...
+
+    def lookup(self, seq: Sequence) -> int: ...
+
+    def prefill_need(self, seq: Sequence, upto: int) -> int: ...
+
+    def held_alone(self, seq: Sequence) -> int: ...
+
+
+@dataclasses.dataclass
+class Plan:
+    """One iteration: slots to free first (``(seq, slot)`` of preempted sequences), prefill
+    chunks ``(seq, start, length)`` (the sequences in ``admitted`` start this iteration, on
+    ``start`` tokens of prefix-cache hit), then decode rows ``(seq, steps)``."""
+
+    preempt: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    admitted: list[Sequence] = dataclasses.field(default_factory=list)
+    prefill: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
+    decode: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.preempt or self.prefill or self.decode)
+
+
+class Scheduler:
+    """Queues and slots. ``add`` queues a sequence, ``schedule`` plans an iteration and moves
+    sequences between the queue and the slots; the engine reports back with ``finish``."""
+
+    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, steps_per_dispatch: int,
+                 block_size: int):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.steps_per_dispatch = steps_per_dispatch
+        self.block_size = block_size
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # holding a slot, in admission order
+        self.free_slots = list(range(max_num_seqs))
+        self.num_preemptions = 0
+
+    # -- queue -------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seqs: Iterable[Sequence]) -> list[Sequence]:
+        """Take ``seqs`` out of the queue and the slots (abort, finish); returns those that held
+        a slot (their blocks are for the caller to release)."""
+        seqs = list(seqs)
+        drop = set(map(id, seqs))
+        self.waiting = collections.deque(s for s in self.waiting if id(s) not in drop)
+        held = [s for s in self.running if id(s) in drop]
+        self.running = [s for s in self.running if id(s) not in drop]
+        for s in held:
+            self.free_slots.append(s.slot)
+            self.free_slots += s.reserved
+            s.reserved = []
+        self.free_slots.sort()
+        return held
+
+    def adopt(self, seq: Sequence) -> None:
+        """A forked child: already in its slot, with its parent's cache."""
+        self.running.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def schedule(self, blocks: BlockCounter) -> Plan:
+        plan = Plan()
+        k = self.steps_per_dispatch
+        decode = [(s, min(k, s.remaining)) for s in self.running if s.decoding]
+        free = blocks.free()
+        need = {id(s): blocks.decode_need(s, n) for s, n in decode}
+        # Preempt the newest until the dispatch fits. Partly prefilled sequences count too:
+        # they hold blocks, and they are newer than what already decodes.
+        while sum(need.values()) > free:
+            victim = max(self.running, key=lambda s: s.age)
+            if victim is min(self.running, key=lambda s: s.age):
+                raise RuntimeError(  # admission rules make this impossible; never silent
+                    f"The pool cannot hold one decode dispatch of its oldest sequence "
+                    f"({victim.request_id}); free {free}, needed {sum(need.values())}.")
+            free += self._preempt(victim, blocks, plan)
+            need.pop(id(victim), None)
+            decode = [(s, n) for s, n in decode if s is not victim]
+        plan.decode = decode
+        free -= sum(need.values())
+
+        tokens = self.max_num_batched_tokens
+        for seq in self.running:  # prompts already started continue first
+            if seq.decoding or tokens == 0:
+                continue
+            length = min(len(seq.target) - seq.cached, tokens)
+            cost = blocks.prefill_need(seq, seq.cached + length)
+            if cost > free:
+                continue
+            plan.prefill.append((seq, seq.cached, length))
+            tokens -= length
+            free -= cost
+        # No admissions in an iteration that preempted: the pool is what is short.
+        while self.waiting and tokens > 0 and not plan.preempt:
+            seq = self.waiting[0]
+            if len(self.free_slots) < seq.fork:
+                break
+            seq.cached = blocks.lookup(seq)
+            # The whole prompt, plus one copy per extra completion of its last block.
+            whole = blocks.prefill_need(seq, len(seq.target)) + (seq.fork - 1)
+            if whole > free:
+                seq.cached = 0
+                break
+            self.waiting.popleft()
+            seq.slot = self.free_slots.pop(0)
+            seq.reserved, self.free_slots = (self.free_slots[:seq.fork - 1],
+                                             self.free_slots[seq.fork - 1:])
+            self.running.append(seq)
+            plan.admitted.append(seq)
+            start = seq.cached  # a prefix-cache hit, set by prefill_need's lookup
+            length = min(len(seq.target) - start, tokens)
+            plan.prefill.append((seq, start, length))
+            tokens -= length
+            free -= blocks.prefill_need(seq, start + length)
+        return plan
+
+    def _preempt(self, seq: Sequence, blocks: BlockCounter, plan: Plan) -> int:
+        """Free ``seq``'s slot and queue it first; returns the blocks that frees."""
+        freed = blocks.held_alone(seq)
+        self.running.remove(seq)
+        self.free_slots += [seq.slot, *seq.reserved]
+        self.free_slots.sort()
+        plan.preempt.append((seq, seq.slot))
+        seq.slot, seq.cached, seq.decoding, seq.reserved = None, 0, False, []
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        return freed
