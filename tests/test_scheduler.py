@@ -1,0 +1,389 @@
+"""The scheduler driven without a model: a toy pool with exact block accounting plays the
+engine, applying each plan the way ``LLMEngine.step`` does, and checks every iteration.
+
+``ToyPool`` owns physical block ids with reference counts and one table per sequence; forked
+completions share their parent's blocks and copy the shared last block on their first write.
+It is both the scheduler's ``BlockCounter`` and the state the plan is applied to, so "a
+dispatch never fails for lack of blocks" is checked where the blocks are taken.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from paged_jax.engine.scheduler import Plan, Scheduler, Sequence
+
+
+def token(request: int, index: int, position: int) -> int:
+    """The token a completion emits at ``position`` of its output: reproducible, so a lost
+    or repeated step shows in the output."""
+    return request * 100_000 + index * 1_000 + position
+
+
+class OutOfToyBlocks(AssertionError):
+    pass
+
+
+class ToyPool:
+    """Exact accounting over ``num_blocks`` blocks, keyed by sequence identity.
+
+    As a ``BlockCounter`` it answers for the state at the start of the iteration, less the
+    releases the scheduler has already planned in it (each ``held_alone`` call is one: the
+    scheduler asks exactly when it preempts), so later answers in the same plan see them."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.bs = block_size
+        self.free_ids = list(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self.tables: dict[int, list[int]] = {}
+        self.pending: dict[int, int] = {}  # block -> references the plan drops
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.bs)
+
+    # -- BlockCounter ----------------------------------------------------------------------
+
+    def free(self) -> int:
+        return len(self.free_ids)
+
+    def _ref(self, block: int) -> int:
+        return self.refs[block] - self.pending.get(block, 0)
+
+    def decode_need(self, seq: Sequence, steps: int) -> int:
+        table = self.tables[id(seq)]
+        need = self.blocks_for(seq.cached + steps) - len(table)
+        if seq.cached % self.bs and self._ref(table[seq.cached // self.bs]) > 1:
+            need += 1  # its first write to a shared block copies it
+        return need
+
+    def lookup(self, seq: Sequence) -> int:
+        return 0  # no prefix cache in this pool
+
+    def prefill_need(self, seq: Sequence, upto: int) -> int:
+        return self.blocks_for(upto) - self.blocks_for(seq.cached)
+
+    def held_alone(self, seq: Sequence) -> int:
+        table = self.tables.get(id(seq), [])
+        freed = sum(self._ref(b) == 1 for b in table)
+        for b in table:
+            self.pending[b] = self.pending.get(b, 0) + 1
+        return freed
+
+    # -- applying a plan -------------------------------------------------------------------
+
+    def take(self) -> int:
+        if not self.free_ids:
+            raise OutOfToyBlocks("the plan needed a block the pool did not have")
+        b = self.free_ids.pop(0)
+        self.refs[b] = 1
+        return b
+
+    def grow(self, seq: Sequence, tokens: int) -> None:
+        table = self.tables.setdefault(id(seq), [])
+        while len(table) < self.blocks_for(tokens):
+            table.append(self.take())
+
+    def copy_on_write(self, seq: Sequence) -> None:
+        table = self.tables[id(seq)]
+        col = seq.cached // self.bs
+        if seq.cached % self.bs and self.refs[table[col]] > 1:
+            self.refs[table[col]] -= 1
+            table[col] = self.take()
+
+    def share(self, parent: Sequence, child: Sequence) -> None:
+        self.tables[id(child)] = list(self.tables[id(parent)])
+        for b in self.tables[id(child)]:
+            self.refs[b] += 1
+
+    def release(self, seq: Sequence) -> None:
+        for b in self.tables.pop(id(seq), []):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free_ids.append(b)
+
+    def used(self) -> int:
+        return len(self.refs) - len(self.free_ids)
+
+
+class Sim:
+    """The engine loop without a model. ``step`` plans one iteration, checks the plan and
+    applies it; ``log`` keeps what the checks below need."""
+
+    def __init__(self, *, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                 steps_per_dispatch):
+        self.sched = Scheduler(max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens,
+                               steps_per_dispatch=steps_per_dispatch, block_size=block_size)
+        self.pool = ToyPool(num_blocks, block_size)
+        self.n: dict[str, int] = {}
+        self.done: dict[str, list[Sequence]] = {}
+        self.arrivals = 0
+        self.iterations = 0
+        self.preempted_total = 0
+
+    def add(self, prompt_len: int, max_tokens: int, n: int = 1) -> str:
+        rid = f"r{self.arrivals}"
+        prompt = [(self.arrivals * 7 + i) % 50 for i in range(prompt_len)]
+        self.sched.add(Sequence(request_id=rid, index=0, arrival=self.arrivals,
+                                prompt_ids=prompt, max_tokens=max_tokens, fork=n))
+        self.n[rid] = n
+        self.done[rid] = []
+        self.arrivals += 1
+        return rid
+
+    def emit(self, seq: Sequence, count: int) -> None:
+        rid = int(seq.request_id[1:])
+        for _ in range(count):
+            seq.output_ids.append(token(rid, seq.index, len(seq.output_ids)))
+
+    def check_slots(self) -> None:
+        s = self.sched
+        taken = [q.slot for q in s.running] + [r for q in s.running for r in q.reserved]
+        assert None not in taken
+        assert len(taken) == len(set(taken)), f"a slot is used twice: {sorted(taken)}"
+        assert len(taken) <= s.max_num_seqs
+        assert sorted(taken + s.free_slots) == list(range(s.max_num_seqs))
+        for q in s.waiting:
+            assert q.slot is None and not q.reserved and q.cached == 0 and not q.decoding
+
+    def step(self) -> Plan:
+        s, pool = self.sched, self.pool
+        before_running = list(s.running)
+        before_waiting = list(s.waiting)
+        oldest = min(before_running, key=lambda q: q.age) if before_running else None
+        decoding_before = [q for q in before_running if q.decoding]
+        pool.pending = {}
+        plan = s.schedule(pool)
+        self.iterations += 1
+        assert not plan.empty, "an iteration with work planned nothing: a deadlock"
+
+        victims = [q for q, _ in plan.preempt]
+        self.preempted_total += len(victims)
+        # (a) the oldest always makes progress; the preempted go to the front of the queue,
+        # oldest first; (e) an iteration that preempted admits nothing.
+        assert all(v is not oldest for v in victims)
+        assert all(any(v is q for q in before_running) for v in victims)
+        if victims:
+            assert not plan.admitted
+            front = list(s.waiting)[: len(victims)]
+            assert [id(q) for q in front] == [id(v) for v in reversed(victims)]
+            assert front == sorted(front, key=lambda q: q.age)
+            assert [id(q) for q in list(s.waiting)[len(victims):]] == list(map(id, before_waiting))
+        # (b) the chunk budget, and every running decoder decodes (unless preempted).
+        assert sum(length for _, _, length in plan.prefill) <= s.max_num_batched_tokens
+        planned = {id(q): steps for q, steps in plan.decode}
+        for q in decoding_before:
+            if not any(q is v for v in victims):
+                assert planned.get(id(q)) == min(s.steps_per_dispatch, q.remaining)
+        for q, steps in plan.decode:
+            assert q.decoding and q.slot is not None and 1 <= steps <= q.remaining
+        for q in plan.admitted:  # (d) n > 1 keeps its completions' slots from admission on
+            assert len(q.reserved) == q.fork - 1
+        self.check_slots()
+
+        # Apply it as the engine does: release, prefill (first token, fork), decode, finish.
+        for q in victims:
+            pool.release(q)
+        finished = []
+        for q, start, length in plan.prefill:
+            assert start == q.cached and 1 <= length <= len(q.target) - start
+            assert not q.decoding and any(q is r for r in s.running)
+            pool.grow(q, start + length)
+            q.cached = start + length
+            if q.cached == len(q.target):
+                q.decoding = True
+                self.emit(q, 1)
+                for index, slot in enumerate(q.reserved, start=1):
+                    child = Sequence(request_id=q.request_id, index=index, arrival=q.arrival,
+                                     prompt_ids=q.prompt_ids, max_tokens=q.max_tokens,
+                                     slot=slot, cached=q.cached, decoding=True)
+                    pool.share(q, child)
+                    self.emit(child, 1)
+                    s.adopt(child)
+                    finished.append(child)
+                q.reserved, q.fork = [], 1
+                finished.append(q)
+        for q, steps in plan.decode:
+            pool.copy_on_write(q)
+            pool.grow(q, q.cached + steps)
+            q.cached += steps
+            self.emit(q, steps)
+            finished.append(q)
+        ended = [q for q in finished if q.remaining == 0]
+        held = s.remove(ended)
+        assert {id(q) for q in held} == {id(q) for q in ended}
+        for q in ended:
+            pool.release(q)
+            q.finish_reason = "length"
+            self.done[q.request_id].append(q)
+        self.check_slots()
+        return plan
+
+    def run(self, arrivals: dict[int, list[tuple[int, int, int]]], limit: int) -> None:
+        """``arrivals[i]``: requests ``(prompt_len, max_tokens, n)`` added before iteration
+        ``i``. Runs until all are done, failing after ``limit`` iterations."""
+        last = max(arrivals, default=0)
+        i = 0
+        while i <= last or self.sched.has_work:
+            for req in arrivals.get(i, []):
+                self.add(*req)
+            if self.sched.has_work:
+                self.step()
+            i += 1
+            assert i < limit, f"no end after {limit} iterations"
+
+
+def assert_all_complete(sim: Sim, requests: dict[str, tuple[int, int, int]]) -> None:
+    """Every completion of every request finished with exactly its tokens, in order."""
+    for rid, (_, max_tokens, n) in requests.items():
+        seqs = sorted(sim.done[rid], key=lambda q: q.index)
+        assert [q.index for q in seqs] == list(range(n)), (rid, [q.index for q in seqs])
+        for q in seqs:
+            want = [token(int(rid[1:]), q.index, p) for p in range(max_tokens)]
+            assert q.output_ids == want, (rid, q.index)
+    assert not sim.sched.running and not sim.sched.waiting
+    assert sim.pool.used() == 0, "blocks leaked"
+    assert sorted(sim.sched.free_slots) == list(range(sim.sched.max_num_seqs))
+
+
+def random_workload(rng: random.Random, block_size: int, num_blocks: int, max_seqs: int,
+                    count: int):
+    arrivals: dict[int, list[tuple[int, int, int]]] = {}
+    for _ in range(count):
+        while True:
+            n = rng.choice([1, 1, 1, 2, 3])
+            n = min(n, max_seqs)
+            p, m = rng.randint(1, 40), rng.randint(1, 30)
+            # What add_request admits: the whole request plus a copy per extra completion.
+            if math.ceil((p + m) / block_size) + n - 1 <= num_blocks:
+                break
+        arrivals.setdefault(rng.choice([0, 0, rng.randint(0, 60)]), []).append((p, m, n))
+    return arrivals
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workloads_under_pressure_all_complete(seed):
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 8])
+    max_seqs = rng.randint(1, 6)
+    tokens = rng.choice([1, 3, 8, 16, 64])
+    k = rng.choice([1, 2, 3, 8])
+    num_blocks = rng.randint(math.ceil(72 / block_size), math.ceil(72 / block_size) + 6)
+    arrivals = random_workload(rng, block_size, num_blocks, max_seqs, rng.randint(5, 25))
+    sim = Sim(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
+              max_num_batched_tokens=tokens, steps_per_dispatch=k)
+    sim.run(arrivals, limit=20_000)
+    requests = {f"r{i}": r for i, r in enumerate(r for i in sorted(arrivals)
+                                                   for r in arrivals[i])}
+    assert_all_complete(sim, requests)
+
+
+def test_a_small_pool_preempts_many_times_and_still_completes_everything():
+    rng = random.Random(1234)
+    arrivals = {0: [(rng.randint(10, 30), rng.randint(20, 40), 1) for _ in range(12)]}
+    sim = Sim(num_blocks=18, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+              steps_per_dispatch=8)
+    sim.run(arrivals, limit=5_000)
+    assert sim.preempted_total >= 10, sim.preempted_total
+    assert sim.sched.num_preemptions == sim.preempted_total
+    assert_all_complete(sim, {f"r{i}": r for i, r in enumerate(arrivals[0])})
+
+
+def test_a_long_prompt_is_chunked_while_the_running_requests_decode_every_iteration():
+    sim = Sim(num_blocks=400, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+              steps_per_dispatch=4)
+    for _ in range(3):
+        sim.add(5, 200)
+    sim.step()  # the three short prompts are prefilled together
+    assert all(q.decoding for q in sim.sched.running)
+    long = sim.add(1000, 3)
+    chunks = []
+    while not any(q.request_id == long and q.decoding for q in sim.sched.running):
+        plan = sim.step()
+        assert len(plan.decode) == 3  # nobody stalls for more than this iteration's chunk
+        chunks += [length for q, _, length in plan.prefill if q.request_id == long]
+    assert chunks == [64] * 15 + [40]
+
+
+def test_n_completions_hold_their_slots_from_admission_and_fork_after_the_prefill():
+    sim = Sim(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+              steps_per_dispatch=2)
+    big = sim.add(20, 6, n=3)
+    other = sim.add(3, 4, n=2)  # needs 2 slots: waits until the first request's finish
+    plan = sim.step()
+    (first,) = plan.admitted
+    assert len(first.reserved) == 2 and len(sim.sched.free_slots) == 1
+    while len(sim.done[big]) < 3:
+        sim.step()
+        if len(sim.done[big]) == 0:
+            assert [q.request_id for q in sim.sched.waiting] == [other]
+    sim.run({}, limit=100)
+    assert_all_complete(sim, {big: (20, 6, 3), other: (3, 4, 2)})
+
+
+def test_no_admission_in_an_iteration_that_preempts():
+    # Two decoders fill the pool; a third request waits. The iteration that preempts the
+    # newer decoder must not hand the freed blocks to the waiting request.
+    sim = Sim(num_blocks=6, block_size=2, max_num_seqs=3, max_num_batched_tokens=16,
+              steps_per_dispatch=2)
+    sim.add(3, 8)
+    sim.add(3, 8)
+    sim.step()
+    sim.add(1, 1)
+    saw = False
+    while sim.sched.has_work:
+        plan = sim.step()
+        saw |= bool(plan.preempt)
+        assert sim.iterations < 200
+    assert saw
+
+
+class Starved:
+    """A counter that never has a block: even the oldest sequence cannot decode."""
+
+    def free(self):
+        return 0
+
+    def decode_need(self, seq, steps):
+        return 1
+
+    def lookup(self, seq):
+        return 0
+
+    def prefill_need(self, seq, upto):
+        return 0
+
+    def held_alone(self, seq):
+        return 0
+
+
+def starved_scheduler():
+    sched = Scheduler(max_num_seqs=3, max_num_batched_tokens=8, steps_per_dispatch=4,
+                      block_size=4)
+    seqs = [Sequence(request_id=f"r{i}", index=0, arrival=i, prompt_ids=[1, 2], max_tokens=9)
+            for i in range(3)]
+    for slot, q in enumerate(seqs):
+        q.slot, q.cached, q.decoding, q.output_ids = slot, 2, True, [5]
+        sched.running.append(q)
+    sched.free_slots = []
+    return sched, seqs
+
+
+def test_the_oldest_dispatch_not_fitting_raises_naming_the_sizes():
+    sched, _ = starved_scheduler()
+    with pytest.raises(RuntimeError, match=r"oldest sequence \(r0\); free 0, needed 1"):
+        sched.schedule(Starved())
+
+
+def test_a_refused_schedule_leaves_the_queues_and_slots_unchanged():
+    # The engine gets no plan when schedule raises, so it releases nothing: the scheduler
+    # must not have moved the newer sequences to the queue either.
+    sched, seqs = starved_scheduler()
+    with pytest.raises(RuntimeError):
+        sched.schedule(Starved())
+    assert sched.running == seqs and not sched.waiting and sched.free_slots == []
+    assert [(q.slot, q.cached, q.decoding) for q in seqs] == [(i, 2, True) for i in range(3)]
+    assert sched.num_preemptions == 0
