@@ -387,3 +387,26 @@ def test_a_refused_schedule_leaves_the_queues_and_slots_unchanged():
     assert sched.running == seqs and not sched.waiting and sched.free_slots == []
     assert [(q.slot, q.cached, q.decoding) for q in seqs] == [(i, 2, True) for i in range(3)]
     assert sched.num_preemptions == 0
+
+
+def test_a_request_with_n_completions_waits_for_its_copy_on_write_blocks():
+    # 7 blocks of 4: the first request takes 3; the second's prompt needs 4, and its second
+    # completion one more for the copy of the shared last block, so it waits.
+    sim = Sim(num_blocks=7, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+              steps_per_dispatch=2)
+    first = sim.add(12, 2)
+    second = sim.add(16, 1, n=2)
+    plan = sim.step()
+    assert [q.request_id for q in plan.admitted] == [first]
+    sim.run({}, limit=100)
+    assert_all_complete(sim, {first: (12, 2, 1), second: (16, 1, 2)})
+
+
+def test_removing_a_sequence_before_its_fork_returns_the_slots_kept_for_its_completions():
+    sim = Sim(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+              steps_per_dispatch=2)
+    sim.add(30, 4, n=3)
+    (seq,) = sim.step().admitted  # a chunk of its prompt: it has not forked yet
+    assert len(seq.reserved) == 2 and len(sim.sched.free_slots) == 1
+    assert sim.sched.remove([seq]) == [seq]  # an abort
+    assert sim.sched.free_slots == [0, 1, 2, 3] and not sim.sched.has_work
