@@ -206,20 +206,23 @@ class ModelAllocator:
         return codes, blocks
 
     def share_blocks(self, blocks):
-        codes = [OK if 0 <= b < self.n and self.refs[b] > 0 else BAD_BLOCK for b in blocks]
+        # -1 is padding: no error, no effect.
+        codes = [OK if b == -1 or (0 <= b < self.n and self.refs[b] > 0) else BAD_BLOCK
+                 for b in blocks]
         codes, ok = self._finish(codes)
         if ok:
-            for b in blocks:
+            for b in (b for b in blocks if b != -1):
                 self.refs[b] += 1
                 self.held[b] += 1
         return codes
 
     def free_blocks(self, blocks):
         codes = [
-            OK if 0 <= b < self.n and blocks.count(b) <= self.held[b] else BAD_BLOCK for b in blocks
+            OK if b == -1 or (0 <= b < self.n and blocks.count(b) <= self.held[b]) else BAD_BLOCK
+            for b in blocks
         ]
         codes, ok = self._finish(codes)
         if ok:
-            for b in blocks:
+            for b in (b for b in blocks if b != -1):
                 self._decref(b, held=True)
         return codes

@@ -102,7 +102,8 @@ class OpsTest(chex.TestCase):
             new, st = self.variant(lambda s, i, b, k=k: pj.reserve_steps(s, i, k, b))(
                 state, arr(ids), arr(budgets))
             for t in range(k):
-                model.append([i if b > t else -1 for i, b in zip(ids, budgets, strict=True)], [1] * len(ids))
+                going = [i if b > t else -1 for i, b in zip(ids, budgets, strict=True)]
+                model.append(going, [1] * len(ids))
             assert bool(st.applied)
             assert_matches_model(new, model)
             assert_invariants_hold(new)
@@ -207,6 +208,13 @@ class OpsTest(chex.TestCase):
         assert np.asarray(st.code).tolist() == model.share_blocks([1, 1])
         new, st = self.variant(pj.free_blocks)(new, arr([1, 0, 1, 1]))
         assert np.asarray(st.code).tolist() == model.free_blocks([1, 0, 1, 1])
+        assert_matches_model(new, model)
+        assert_invariants_hold(new)
+        # -1 pads a list to a fixed shape: no error, no effect.
+        new, st = self.variant(pj.share_blocks)(new, arr([2, -1, -1]))
+        assert np.asarray(st.code).tolist() == model.share_blocks([2, -1, -1]) == [0, 0, 0]
+        new, st = self.variant(pj.free_blocks)(new, arr([-1, 2, 2, -1]))
+        assert np.asarray(st.code).tolist() == model.free_blocks([-1, 2, 2, -1]) == [0] * 4
         assert_matches_model(new, model)
         assert_invariants_hold(new)
 

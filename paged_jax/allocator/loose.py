@@ -40,18 +40,21 @@ def allocate_blocks(state: BlockState, num_blocks: int) -> tuple[BlockState, jax
 
 
 def _prepare_blocks(state: BlockState, block_ids):
+    """``(ids, safe, in_range, code)``; NULL_BLOCK (-1) entries are padding: no error, no
+    effect (so a caller can pad a varying count to a fixed shape and compile once)."""
     ids = _as_index_array(block_ids, "block_ids")
     n = state.config.num_blocks
     in_range = (ids >= 0) & (ids < n)
-    code = jnp.where(in_range, Code.OK, Code.BAD_BLOCK).astype(jnp.int32)
+    ok = in_range | (ids == NULL_BLOCK)
+    code = jnp.where(ok, Code.OK, Code.BAD_BLOCK).astype(jnp.int32)
     return ids, jnp.where(in_range, ids, 0), in_range, code
 
 
 def share_blocks(state: BlockState, block_ids) -> tuple[BlockState, Status]:
-    """One more held reference on each listed block (which must be in use)."""
+    """One more held reference on each listed block (which must be in use; -1 = padding)."""
     n = state.config.num_blocks
     ids, safe, in_range, code = _prepare_blocks(state, block_ids)
-    code = first_error(code, state.ref_counts[safe] == 0, Code.BAD_BLOCK)
+    code = first_error(code, in_range & (state.ref_counts[safe] == 0), Code.BAD_BLOCK)
     code, apply = finalize(code)
     target = jnp.where(apply & in_range, ids, n)
     new = state.scatter("ref_counts", target, 1, "add").scatter("held", target, 1, "add")
@@ -59,11 +62,12 @@ def share_blocks(state: BlockState, block_ids) -> tuple[BlockState, Status]:
 
 
 def free_blocks(state: BlockState, block_ids) -> tuple[BlockState, Status]:
-    """Drop one held reference per listed block; blocks reaching zero join the free list."""
+    """Drop one held reference per listed block (-1 = padding); blocks reaching zero join the
+    free list."""
     n = state.config.num_blocks
     ids, safe, in_range, code = _prepare_blocks(state, block_ids)
     drops = jnp.zeros((n,), jnp.int32).at[jnp.where(in_range, ids, n)].add(1, mode="drop")
-    code = first_error(code, drops[safe] > state.held[safe], Code.BAD_BLOCK)
+    code = first_error(code, in_range & (drops[safe] > state.held[safe]), Code.BAD_BLOCK)
     code, apply = finalize(code)
     new = _decref(state, ids, in_range & apply, held_too=True)
     return new, _status(code, ids, jnp.int32(0), state, "free")

@@ -262,7 +262,8 @@ def admit_cached(state: BlockState, seq_ids, block_ids, num_tokens) -> tuple[Blo
     inc = (valid & apply)[:, None] & listed
     new = state.scatter("ref_counts", jnp.where(inc, blocks, cfg.num_blocks), 1, "add")
     new = _set_rows(new, ids, apply, valid, n, True, jnp.where(listed, blocks, NULL_BLOCK))
-    table = {Code.BAD_LENGTH: (n, count * cfg.block_size, None)}
+    table = {Code.BAD_LENGTH: (n, count * cfg.block_size,
+                               jnp.maximum((count - 1) * cfg.block_size + 1, 0))}
     return new, _status(code, ids, jnp.int32(0), state, "admit_cached", table)
 
 

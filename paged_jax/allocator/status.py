@@ -60,6 +60,12 @@ _EXPLAIN = {
 }
 
 
+# One op's own explanation of a code, where the general one would mislead.
+_OP_EXPLAIN = {
+    ("admit_cached", Code.BAD_LENGTH): "would hold {value} tokens; expected {at} to {limit}, "
+                                       "what its listed blocks hold",
+}
+
 # Said after the explanation for one op's code, where that op offers a way out.
 _HINTS = {
     ("prefill", Code.SEQ_ACTIVE): " (mark the row in extend to continue its sequence)",
@@ -133,7 +139,8 @@ class Status(Packed):
         lines = []
         for i, (c, sid) in enumerate(zip(codes, ids, strict=True)):
             if c not in (Code.OK, Code.NOT_APPLIED):
-                text = _EXPLAIN[Code(c)].format(value=value[i], limit=limit[i], at=at[i], entry=i)
+                text = _OP_EXPLAIN.get((self.op, Code(c)), _EXPLAIN[Code(c)]).format(
+                    value=value[i], limit=limit[i], at=at[i], entry=i)
                 text += _HINTS.get((self.op, Code(c)), "")
                 lines.append(f"{what} {sid} (entry {i}) {text}")
         return lines

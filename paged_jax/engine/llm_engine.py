@@ -32,7 +32,6 @@ import time
 from collections.abc import Sequence as Seq
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -282,8 +281,8 @@ class LLMEngine:
 
     def _snapshot(self):
         st = self.state
-        ref, held, tables, num_free = jax.device_get(
-            (st.ref_counts, st.held, st.block_tables, st.num_free))
+        ref, held, tables, num_free = (np.array(x) for x in jax.device_get(
+            (st.ref_counts, st.held, st.block_tables, st.num_free)))
         cached = set(self.prefix_cache.blocks())
         # A cached block no sequence references holds only the cache's reference.
         evictable = {b for b in cached if ref[b] == 1}
@@ -322,7 +321,9 @@ class LLMEngine:
         row = self._snap["tables"][seq.slot, : -(-seq.cached // bs)]
         ref, held = self._snap["ref"], self._snap["held"]
         # Freed, or left evictable, where this sequence is the block's only table reference.
-        return int(sum(ref[b] - held[b] == 1 for b in row))
+        freed = int(sum(ref[b] - held[b] == 1 for b in row))
+        ref[row] -= 1  # later answers in this plan see the release (a fork's siblings)
+        return freed
 
     # -- one iteration -----------------------------------------------------------------------
 
@@ -360,11 +361,13 @@ class LLMEngine:
         short = need - int(self.state.num_free)
         if short <= 0:
             return
+        # Read after the preemptions' releases, which may have left more blocks evictable.
+        ref = np.asarray(jax.device_get(self.state.ref_counts))
         in_use = {b for blocks in self._snap["hits"].values() for b in blocks}
-        evictable = self._snap["evictable"] - in_use
+        evictable = {b for b in self.prefix_cache.blocks() if ref[b] == 1} - in_use
         gone = self.prefix_cache.evict(short, evictable)
         if gone:
-            self.state, status = self._unhold(self.state, jnp.asarray(gone, jnp.int32))
+            self.state, status = self._unhold(self.state, self._padded(gone))
             status.raise_if_failed()
 
     def _run_prefill(self, plan: Plan, touched, now: float) -> None:
@@ -426,17 +429,21 @@ class LLMEngine:
                 rows.append(i)
                 seqs.append(s)
         params = [self.requests[s.request_id].params for s in seqs]
-        picked = logits[jnp.asarray(rows)]
-        temps = np.array([p.temperature for p in params], np.float32)
+        # Every array here has max_seqs rows (padding repeats row 0): one compilation.
+        width = self.cache_config.max_seqs
+        pad = width - len(rows)
+        picked = logits[np.array(rows + [0] * pad, np.int32)]
+        temps = np.array([p.temperature for p in params] + [0.0] * pad, np.float32)
         if not temps.any():
             first = np.asarray(sample(picked, None, 0.0))
         else:
-            keys = row_keys(np.array([s.seed for s in seqs], np.uint32),
-                            np.array([len(s.target) for s in seqs], np.uint32))
-            first = np.asarray(sample(picked, keys, temps,
-                                      np.array([p.filter_top_k for p in params], np.int32),
-                                      np.array([p.top_p for p in params], np.float32)))
-        for s, token in zip(seqs, first.tolist(), strict=True):
+            keys = row_keys(np.array([s.seed for s in seqs] + [0] * pad, np.uint32),
+                            np.array([len(s.target) for s in seqs] + [0] * pad, np.uint32))
+            first = np.asarray(sample(
+                picked, keys, temps,
+                np.array([p.filter_top_k for p in params] + [0] * pad, np.int32),
+                np.array([p.top_p for p in params] + [1.0] * pad, np.float32)))
+        for s, token in zip(seqs, first[: len(seqs)].tolist(), strict=True):
             self._emit(s, [token], touched)
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
@@ -558,7 +565,7 @@ class LLMEngine:
         full = seq.cached // bs
         if full <= done:
             return
-        table = np.asarray(jax.device_get(self.state.block_tables[seq.slot]))
+        table = self._tables()[seq.slot]
         hold = []
         target = seq.target
         for j in range(done, full):
@@ -568,8 +575,18 @@ class LLMEngine:
                 hold.append(int(table[j]))
         self._chain[seq.slot] = (full, parent)
         if hold:
-            self.state, status = self._hold(self.state, jnp.asarray(hold, jnp.int32))
+            self.state, status = self._hold(self.state, self._padded(hold))
             status.raise_if_failed()
+
+    def _padded(self, blocks: list[int]) -> np.ndarray:
+        """Block ids padded with -1 to a power of two: the loose-block ops compile once per
+        size class, not once per count."""
+        out = np.full(_pow2_at_least(len(blocks), 8, 1 << 40), -1, np.int32)
+        out[: len(blocks)] = blocks
+        return out
+
+    def _tables(self) -> np.ndarray:
+        return np.asarray(jax.device_get(self.state.block_tables))
 
     def _free(self, seqs: list[Sequence]) -> None:
         self._release_slots([s.slot for s in seqs])

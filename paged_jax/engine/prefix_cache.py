@@ -112,7 +112,10 @@ class PrefixCache:
         or another), and then the caller holds nothing."""
         chunk = tuple(int(t) for t in tokens)
         h = _hash(parent, chunk)
-        if h in self.entries or block in self.by_block:
+        # A block whose parent is not cached could never be hit (lookups walk from the
+        # root); refusing it keeps every entry after its parent, which eviction relies on.
+        if h in self.entries or block in self.by_block or (
+                parent != ROOT and parent not in self.entries):
             return h, False
         self.entries[h] = _Entry(block, parent, chunk)
         self.by_block[block] = h

@@ -171,15 +171,22 @@ class Scheduler:
         need = {id(s): blocks.decode_need(s, n) for s, n in decode}
         # Preempt the newest until the dispatch fits. Partly prefilled sequences count too:
         # they hold blocks, and they are newer than what already decodes.
+        # Victims are chosen first and preempted only once the dispatch is known to fit, so a
+        # refusal leaves the queues and slots as they were.
+        victims: list[Sequence] = []
         while sum(need.values()) > free:
-            victim = max(self.running, key=lambda s: s.age)
-            if victim is min(self.running, key=lambda s: s.age):
+            left = [s for s in self.running if all(s is not v for v in victims)]
+            victim = max(left, key=lambda s: s.age)
+            if victim is min(left, key=lambda s: s.age):
                 raise RuntimeError(  # admission rules make this impossible; never silent
                     f"The pool cannot hold one decode dispatch of its oldest sequence "
                     f"({victim.request_id}); free {free}, needed {sum(need.values())}.")
-            free += self._preempt(victim, blocks, plan)
+            free += blocks.held_alone(victim)
             need.pop(id(victim), None)
-            decode = [(s, n) for s, n in decode if s is not victim]
+            victims.append(victim)
+        for victim in victims:
+            self._preempt(victim, plan)
+        decode = [(s, n) for s, n in decode if all(s is not v for v in victims)]
         plan.decode = decode
         free -= sum(need.values())
 
@@ -218,9 +225,8 @@ class Scheduler:
             free -= blocks.prefill_need(seq, start + length)
         return plan
 
-    def _preempt(self, seq: Sequence, blocks: BlockCounter, plan: Plan) -> int:
-        """Free ``seq``'s slot and queue it first; returns the blocks that frees."""
-        freed = blocks.held_alone(seq)
+    def _preempt(self, seq: Sequence, plan: Plan) -> None:
+        """Free ``seq``'s slot and queue it first (older victims end up ahead)."""
         self.running.remove(seq)
         self.free_slots += [seq.slot, *seq.reserved]
         self.free_slots.sort()
@@ -229,4 +235,3 @@ class Scheduler:
         seq.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        return freed

@@ -1,0 +1,318 @@
+"""The serving engine on a tiny random Llama, against our own dense no-cache forward pass.
+
+Greedy outputs must be the dense reference's, token for token, however the engine is run:
+all requests together or one at a time, a big pool or one small enough to preempt, prefix
+caching on or off, K = 1, 3 or 8 steps per dispatch, and each of n = 3 completions."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from paged_jax.engine.llm import LLM
+from paged_jax.engine.llm_engine import LLMEngine, prefill_buckets
+from paged_jax.engine.params import SamplingParams
+from paged_jax.model import init_model
+from tests.model_helpers import DENSE_LEN, TINY, dense_logits
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+LENS = (5, 17, 9, 30, 3, 21)
+
+
+@pytest.fixture(autouse=True)
+def _exact_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(TINY, seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Greedy continuations by the dense forward pass, one sequence at a time."""
+    graphdef, params = nnx.split(model)
+    memo = {}
+
+    def greedy(prompt, n):
+        key = (tuple(prompt), n)
+        if key not in memo:
+            seq = list(prompt)
+            for _ in range(n):
+                seq.append(int(np.argmax(dense_logits(graphdef, params, seq)[-1])))
+            memo[key] = seq[len(prompt):]
+        return memo[key]
+
+    return greedy
+
+
+def prompts_of(lens, seed=0, vocab=TINY.vocab_size):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lens]
+
+
+def engine(model, **kwargs) -> LLM:
+    opts = dict(block_size=8, max_num_seqs=4, max_model_len=DENSE_LEN, num_blocks=64,
+                max_num_batched_tokens=32, debug=True)
+    return LLM.from_model(model, None, **{**opts, **kwargs})
+
+
+def token_ids(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(num_blocks=8, steps_per_dispatch=3),  # small: preempts
+    dict(enable_prefix_caching=False, steps_per_dispatch=1),
+    dict(num_blocks=10, enable_prefix_caching=False),
+])
+def test_greedy_outputs_equal_the_dense_reference(model, reference, kwargs):
+    prompts = prompts_of(LENS)
+    llm = engine(model, **kwargs)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert token_ids(outs) == [[reference(p, 12)] for p in prompts]
+    for o in outs:
+        assert o.finished and o.outputs[0].finish_reason == "length"
+        assert o.metrics.ttft is not None and o.metrics.e2e >= o.metrics.ttft
+    stats = llm.stats()
+    if kwargs.get("num_blocks", 64) < 16:
+        assert stats.preemptions > 0  # the small pools really preempt
+    # Nothing is left held but the prefix cache's blocks.
+    assert stats.running == stats.waiting == 0
+    assert stats.blocks_used == stats.blocks_cached
+    assert (stats.blocks_cached > 0) == llm.engine.enable_prefix_caching
+
+
+def test_one_request_at_a_time_gives_the_same_outputs(model, reference):
+    llm = engine(model)
+    for p in prompts_of(LENS[:3], seed=4):
+        (out,) = llm.generate([p], GREEDY, use_tqdm=False)
+        assert out.outputs[0].token_ids == reference(p, 12)
+
+
+def test_shared_prefixes_hit_the_cache_and_prefill_only_the_rest(model, reference):
+    """Prompts sharing a 24-token prefix (3 blocks): later ones start on the cached blocks,
+    and each lookup says why it stopped."""
+    (prefix,) = prompts_of([24], seed=9)
+    tails = prompts_of([5, 8, 3], seed=10)
+    prompts = [prefix + t for t in tails]
+    llm = engine(model)
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert token_ids(first + rest) == [[reference(p, 12)] for p in prompts]
+    lookups = [record for _, record in llm.engine.lookups]
+    assert lookups[0].hit_blocks == 0 and lookups[0].reason == "different tokens"
+    for record in lookups[1:]:
+        assert record.hit_tokens >= 24
+    assert llm.stats().prefix_cache_hit_rate > 0.5
+
+
+def test_n3_greedy_completions_are_equal_and_sampled_ones_differ_reproducibly(model,
+                                                                              reference):
+    (p,) = prompts_of([13], seed=5)
+    llm = engine(model)
+    (out,) = llm.generate([p], SamplingParams(n=3, temperature=0.0, max_tokens=12),
+                          use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == [reference(p, 12)] * 3
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    hot = SamplingParams(n=3, temperature=5.0, max_tokens=10, seed=11)
+    (a,) = llm.generate([p], hot, use_tqdm=False)
+    (b,) = engine(model, num_blocks=40).generate([p], hot, use_tqdm=False)
+    runs = [[c.token_ids for c in a.outputs], [c.token_ids for c in b.outputs]]
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in runs[0]}) == 3
+    assert llm.stats().copy_on_write_copies > 0  # the forks copied their shared last block
+
+
+def test_seeded_sampling_does_not_depend_on_what_else_is_batched(model):
+    a, b, c = prompts_of([7, 12, 20], seed=6)
+    hot = SamplingParams(temperature=2.0, top_k=50, top_p=0.9, max_tokens=10, seed=3)
+    alone = engine(model).generate([a], hot, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = engine(model, steps_per_dispatch=3).generate(
+        [b, c, a], [SamplingParams(temperature=1.0, max_tokens=8, seed=1), GREEDY, hot],
+        use_tqdm=False)
+    assert crowd[2].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_stops_inside_the_dispatch_equal_k1(model, reference, k):
+    prompts = prompts_of(LENS[:4], seed=7)
+    # Stop on the 4th greedy token of the first prompt, wherever it turns up.
+    stop_id = reference(prompts[0], 12)[3]
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id])
+    runs = [token_ids(engine(model, steps_per_dispatch=kk).generate(prompts, params,
+                                                                    use_tqdm=False))
+            for kk in (1, k)]
+    assert runs[0] == runs[1]
+    first = runs[0][0][0]
+    assert first[-1] == stop_id and stop_id not in first[:-1] and len(first) <= 4
+
+
+class ByteTokenizer:
+    """Token i is byte i (the tiny model's 256-token vocabulary): an obvious reference for
+    text and stop strings."""
+
+    eos_token_id = 0
+
+    def encode(self, text):
+        return list(text.encode("latin-1"))
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i != 0).decode("latin-1")
+
+
+def test_stop_strings_cut_the_text_and_the_tokens_after_them(model, reference):
+    graphdef, params = nnx.split(model)
+    prompt = "The sea "
+    ids = ByteTokenizer().encode(prompt)
+    greedy = reference(ids, 12)
+    text = ByteTokenizer().decode(greedy)
+    stop = text[4:6]
+    at = text.find(stop)
+    llm = LLM.from_model(model, ByteTokenizer(), block_size=8, max_num_seqs=4,
+                         max_model_len=DENSE_LEN, num_blocks=64, debug=True)
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]),
+                          use_tqdm=False)
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.text == text[:at]
+    # The tokens end with the one that completed the stop string.
+    assert c.token_ids == greedy[: at + len(stop)]
+    assert out.prompt == prompt and out.prompt_token_ids == ids
+
+
+def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model):
+    """A 200-token prompt with 32-token chunks arrives while two requests decode: every
+    iteration of its prefill, both still get tokens. Its output equals an unchunked run's."""
+    short = prompts_of([4, 6], seed=12)
+    (long,) = prompts_of([200], seed=13)
+    opts = dict(block_size=8, max_num_seqs=4, max_model_len=256, num_blocks=96, debug=True)
+    eng = LLMEngine(model, **opts, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=120)  # decoding all along
+    for i, p in enumerate(short):
+        eng.add_request(f"s{i}", p, params)
+    eng.step()  # both admitted and prefilled
+    eng.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=4))
+    chunks = 0
+    while "long" in eng.requests and not eng.requests["long"].seqs[0].decoding:
+        outs = {o.request_id for o in eng.step()}
+        chunks += 1
+        assert {"s0", "s1"} <= outs
+    assert chunks == -(-200 // 32)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id == "long" and o.finished:
+                chunked = o.outputs[0].token_ids
+    whole = LLMEngine(model, **opts, max_num_batched_tokens=256)
+    whole.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=4))
+    while whole.has_unfinished_requests():
+        for o in whole.step():
+            unchunked = o.outputs[0].token_ids
+    assert chunked == unchunked
+
+
+def test_compilations_are_bounded_over_a_sharegpt_like_mix(model):
+    """Prompt lengths 1..1024 (log-uniform, as ShareGPT's): the prefill executables compiled
+    (jax's own compile log) stay within the stated bound."""
+    rng = np.random.default_rng(0)
+    lens = np.unique(np.exp(rng.uniform(0, np.log(1024), 40)).astype(int).clip(1, 1024))
+    compiled = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            if "Compiling jit(_prefill)" in record.getMessage():
+                compiled.append(record.getMessage())
+
+    handler, log = Count(), logging.getLogger("jax")
+    log.addHandler(handler)
+    llm = LLM.from_model(model, None, block_size=16, max_num_seqs=2, max_model_len=1040,
+                         num_blocks=140, max_num_batched_tokens=256)
+    try:
+        with jax.log_compiles(True):
+            llm.generate([[1 + i % 7] * int(n) for i, n in enumerate(lens)],
+                         SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    finally:
+        log.removeHandler(handler)
+    bound = len(prefill_buckets(2, 256))
+    assert bound == 2 * 5  # rows 1, 2; widths 16, 32, 64, 128, 256
+    assert 1 <= len(compiled) <= llm.stats().prefill_executables <= bound
+
+
+def test_random_requests_with_aborts_leak_nothing(model):
+    """Many random requests (lengths, n, sampling, aborts) on a tight pool, invariants
+    checked after every step (debug); afterwards every block is free or cached."""
+    rng = np.random.default_rng(1)
+    eng = LLMEngine(model, block_size=8, max_num_seqs=4, max_model_len=64, num_blocks=24,
+                    max_num_batched_tokens=32, steps_per_dispatch=4, debug=True)
+    live, made, limits = set(), 0, {}
+    for _ in range(160):
+        if made < 120 and rng.random() < 0.6:
+            n = int(rng.integers(1, 3))
+            p = SamplingParams(n=n, temperature=float(rng.choice([0.0, 1.0])),
+                               max_tokens=int(rng.integers(1, 20)), seed=made)
+            eng.add_request(f"r{made}", prompts_of([int(rng.integers(1, 40))], seed=made)[0], p)
+            live.add(f"r{made}")
+            limits[f"r{made}"] = (n, p.max_tokens)
+            made += 1
+        if live and rng.random() < 0.1:
+            victim = sorted(live)[int(rng.integers(len(live)))]
+            eng.abort_request(victim)
+            live.discard(victim)
+        finished = [o for o in eng.step() if o.finished]
+        while not finished and made >= 120 and eng.has_unfinished_requests():
+            finished = [o for o in eng.step() if o.finished]
+        for o in finished:
+            live.discard(o.request_id)
+            n, max_tokens = limits[o.request_id]
+            assert len(o.outputs) == n
+            for c in o.outputs:
+                assert 1 <= len(c.token_ids) <= max_tokens and c.finish_reason in ("stop",
+                                                                                   "length")
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                live.discard(o.request_id)
+    assert not live
+    stats = eng.stats()
+    assert stats.blocks_used == stats.blocks_cached and stats.running == stats.waiting == 0
+    eng.check()
+
+
+def test_bad_requests_are_refused_and_change_nothing(model, reference):
+    eng = LLMEngine(model, block_size=8, max_num_seqs=4, max_model_len=64, num_blocks=10,
+                    debug=True)
+    (p,) = prompts_of([6], seed=3)
+    eng.add_request("ok", p, GREEDY)
+    bad = [
+        (lambda: eng.abort_request("nope"), KeyError, "No unfinished request 'nope'"),
+        (lambda: eng.add_request("e", [], GREEDY), ValueError, "prompt is empty"),
+        (lambda: eng.add_request("v", [1, TINY.vocab_size], GREEDY), ValueError,
+         f"Prompt token {TINY.vocab_size} at position 1 is outside the vocabulary"),
+        (lambda: eng.add_request("ok", p, GREEDY), ValueError, "'ok' is already in use"),
+        (lambda: eng.add_request("t", "text", GREEDY), ValueError, "needs a tokenizer"),
+        (lambda: eng.add_request("long", [1] * 60, GREEDY), ValueError,
+         r"prompt \(60 tokens\) \+ max_tokens \(12\) = 72 exceeds max_model_len 64"),
+        (lambda: eng.add_request("big", [1] * 40, SamplingParams(max_tokens=20, n=4)),
+         ValueError, r"prompt \(40 tokens\) \+ max_tokens \(20\) needs 11 blocks with n=4, "
+                     r"more than the pool's 10 \(80 tokens\)"),
+        (lambda: SamplingParams(max_tokens=0), ValueError, "max_tokens must be an int >= 1"),
+        (lambda: SamplingParams(n=0), ValueError, "n must be an int >= 1"),
+        (lambda: SamplingParams(temperature=-0.5), ValueError, "temperature must be >= 0"),
+        (lambda: SamplingParams(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+        (lambda: SamplingParams(top_p=1.5), ValueError,
+         r"top_p must be in \(0, 1\] \(1 = off\). Got 1.5"),
+    ]
+    for call, error, message in bad:
+        with pytest.raises(error, match=message):
+            call()
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in outs] == ["ok"]
+    assert outs[0].outputs[0].token_ids == reference(p, 12)
