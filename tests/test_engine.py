@@ -316,3 +316,45 @@ def test_bad_requests_are_refused_and_change_nothing(model, reference):
         outs += [o for o in eng.step() if o.finished]
     assert [o.request_id for o in outs] == ["ok"]
     assert outs[0].outputs[0].token_ids == reference(p, 12)
+
+
+def test_events_name_every_block_the_engine_stores_removes_and_clears(model):
+    """KV events (vLLM's names and fields) against hashes recomputed here with hashlib, and
+    the scheduling events of a run that admits on a prefix hit, forks, preempts and evicts."""
+    import hashlib
+
+    from paged_jax.engine import events as ev
+
+    seen = []
+    eng = LLMEngine(model, block_size=8, max_num_seqs=4, max_model_len=64, num_blocks=12,
+                    max_num_batched_tokens=32, steps_per_dispatch=4, debug=True)
+    eng.add_listener(seen.append)
+    (prefix,) = prompts_of([16], seed=21)
+    tails = prompts_of([3, 5, 9, 2], seed=22)
+    for i, t in enumerate(tails):
+        eng.add_request(f"r{i}", prefix + t, SamplingParams(
+            n=2 if i == 1 else 1, temperature=0.0, max_tokens=14))
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    eng.reset_prefix_cache()
+    kinds = {type(e) for e in seen}
+    assert {ev.Admitted, ev.Forked, ev.Preempted, ev.Finished, ev.StepDone, ev.BlockStored,
+            ev.BlockRemoved, ev.AllBlocksCleared} <= kinds
+    assert sum(isinstance(e, ev.StepDone) for e in seen) == steps
+    assert any(e.hit_blocks for e in seen if isinstance(e, ev.Admitted))
+    stored = {}
+    for e in seen:
+        if isinstance(e, ev.BlockStored):
+            parent = b"" if e.parent_block_hash is None else stored[e.parent_block_hash][0]
+            digest = hashlib.sha256(parent + np.asarray(e.token_ids, np.int64).tobytes())
+            assert e.block_hashes == [int.from_bytes(digest.digest()[:8], "big")]
+            assert e.block_size == 8 and len(e.token_ids) == 8 and e.ref_counts[0] >= 2
+            stored[e.block_hashes[0]] = (digest.digest(), e.block_ids[0])
+        elif isinstance(e, ev.BlockRemoved):
+            for h, b in zip(e.block_hashes, e.block_ids, strict=True):
+                assert stored.pop(h)[1] == b
+    assert isinstance(seen[-1], ev.AllBlocksCleared)
+    stats = eng.stats()
+    assert stats.blocks_cached == 0 and stats.blocks_used == 0

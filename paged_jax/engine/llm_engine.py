@@ -45,6 +45,7 @@ from paged_jax.allocator import (
     release,
     share_blocks,
 )
+from paged_jax.engine import events as ev
 from paged_jax.engine.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from paged_jax.engine.prefix_cache import ROOT, Lookup, PrefixCache
 from paged_jax.engine.sampling import row_keys, sample
@@ -199,6 +200,37 @@ class LLMEngine:
         self._chain: dict[int, tuple[int, bytes]] = {}
         self._snap = None
         self.lookups: list[tuple[str, Lookup]] = []
+        self.listeners: list = []
+        self.steps_run = 0
+
+    def add_listener(self, listener) -> None:
+        """Call ``listener(event)`` with every event (``paged_jax.engine.events``): the KV
+        cache events in vLLM's names, and the scheduling events with the state after each
+        step. With no listener, nothing is built or read back for them."""
+        self.listeners.append(listener)
+
+    def _publish(self, make) -> None:
+        if self.listeners:
+            event = make()
+            for listener in self.listeners:
+                listener(event)
+
+    def _refs(self, blocks) -> list[int]:
+        ref = np.asarray(jax.device_get(self.state.ref_counts))
+        return [int(ref[b]) for b in blocks]
+
+    def _slot_blocks(self, slot: int) -> list[int]:
+        row = self._tables()[slot]
+        return [int(b) for b in row[row >= 0]]
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache: its held references are dropped (blocks no sequence uses
+        become free) and ``AllBlocksCleared`` is published."""
+        blocks = self.prefix_cache.clear()
+        if blocks:
+            self.state, status = self._unhold(self.state, self._padded(blocks))
+            status.raise_if_failed()
+        self._publish(ev.AllBlocksCleared)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -287,7 +319,7 @@ class LLMEngine:
         # A cached block no sequence references holds only the cache's reference.
         evictable = {b for b in cached if ref[b] == 1}
         self._snap = dict(ref=ref, held=held, tables=tables, num_free=int(num_free),
-                          evictable=evictable, hits={})
+                          evictable=evictable, hits={}, lookups={})
 
     def free(self) -> int:
         return self._snap["num_free"] + len(self._snap["evictable"])
@@ -306,6 +338,7 @@ class LLMEngine:
             return 0
         blocks, record = self.prefix_cache.lookup(seq.target)
         self._snap["hits"][id(seq)] = blocks
+        self._snap["lookups"][id(seq)] = record
         self.lookups.append((seq.request_id, record))
         return record.hit_tokens
 
@@ -335,15 +368,24 @@ class LLMEngine:
         touched: dict[str, _Request] = {}
         now = time.perf_counter()
         for seq, slot in plan.preempt:
+            self._publish(lambda seq=seq, slot=slot: ev.Preempted(
+                seq.request_id, seq.index, slot, self._slot_blocks(slot)))
             self._release_slots([slot])
             self.requests[seq.request_id].metrics.preemptions += 1
         self._evict_for(plan)
+        copies = self._cow_copies
         if plan.prefill:
             self._run_prefill(plan, touched, now)
         if plan.decode:
             self._run_decode(plan, touched)
         if self.debug:
             self.check()
+        self.steps_run += 1
+        self._publish(lambda: ev.StepDone(
+            step=self.steps_run, state=self.state,
+            slots={s.slot: (s.request_id, s.index) for s in self.scheduler.running},
+            prefill_tokens=sum(n for _, _, n in plan.prefill), decode_rows=len(plan.decode),
+            copies=self._cow_copies - copies))
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():  # a finished request is reported once, then forgotten
             if req.finished:
@@ -367,8 +409,11 @@ class LLMEngine:
         evictable = {b for b in self.prefix_cache.blocks() if ref[b] == 1} - in_use
         gone = self.prefix_cache.evict(short, evictable)
         if gone:
+            hashes = self.prefix_cache.last_evicted
             self.state, status = self._unhold(self.state, self._padded(gone))
             status.raise_if_failed()
+            self._publish(lambda: ev.BlockRemoved([ev.hash_int(hashes[b]) for b in gone],
+                                                  list(gone), self._refs(gone)))
 
     def _run_prefill(self, plan: Plan, touched, now: float) -> None:
         cfg = self.cache_config
@@ -385,6 +430,9 @@ class LLMEngine:
                 tables[i, : len(blocks)] = blocks
                 counts[i] = s.cached
                 self._chain[s.slot] = (len(blocks), self._hash_of(blocks))
+                record = self._snap["lookups"].get(id(s))
+                self._publish(lambda s=s, blocks=blocks, record=record: ev.Admitted(
+                    s.request_id, s.index, s.slot, [int(b) for b in blocks], record))
             self.state, status = self._admit_cached(self.state, ids, tables, counts)
             status.raise_if_failed()
         width = _pow2_at_least(max(length for _, _, length in rows), MIN_PREFILL_WIDTH,
@@ -466,6 +514,7 @@ class LLMEngine:
         parents[: len(slots)] = parent.slot
         self.state, status = self._fork(self.state, parents, ids)
         status.raise_if_failed()
+        self._publish(lambda: ev.Forked(parent.request_id, parent.slot, list(slots)))
         req.seqs += children
         return children
 
@@ -566,17 +615,27 @@ class LLMEngine:
         if full <= done:
             return
         table = self._tables()[seq.slot]
-        hold = []
+        hold, stored = [], []
         target = seq.target
         for j in range(done, full):
-            parent, new = self.prefix_cache.insert(parent, target[j * bs:(j + 1) * bs],
-                                                   int(table[j]))
+            before = parent
+            tokens = target[j * bs:(j + 1) * bs]
+            parent, new = self.prefix_cache.insert(parent, tokens, int(table[j]))
             if new:
                 hold.append(int(table[j]))
+                stored.append((before, parent, tokens, int(table[j])))
         self._chain[seq.slot] = (full, parent)
         if hold:
             self.state, status = self._hold(self.state, self._padded(hold))
             status.raise_if_failed()
+            for item in stored:
+                self._publish(lambda item=item: self._stored(seq, *item))
+
+    def _stored(self, seq: Sequence, parent: bytes, h: bytes, tokens, block: int):
+        return ev.BlockStored(
+            [ev.hash_int(h)], ev.hash_int(parent) if parent != ROOT else None,
+            [int(t) for t in tokens], self.cache_config.block_size, None, [block],
+            seq.request_id, self._refs([block]))
 
     def _padded(self, blocks: list[int]) -> np.ndarray:
         """Block ids padded with -1 to a power of two: the loose-block ops compile once per
@@ -589,6 +648,10 @@ class LLMEngine:
         return np.asarray(jax.device_get(self.state.block_tables))
 
     def _free(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self._publish(lambda s=s: ev.Finished(s.request_id, s.index, s.slot,
+                                                  self._slot_blocks(s.slot),
+                                                  s.finish_reason or "abort"))
         self._release_slots([s.slot for s in seqs])
         for s in seqs:
             s.slot = None

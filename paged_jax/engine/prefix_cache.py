@@ -75,6 +75,7 @@ class PrefixCache:
         self.hits = 0  # tokens served from the cache
         self.queries = 0  # tokens looked up (targets less their last token)
         self.last_lookup: Lookup | None = None
+        self.last_evicted: dict[int, bytes] = {}  # block -> hash, of the latest evict()
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -129,6 +130,7 @@ class PrefixCache:
         chain ran through them (returned too: their held references go as well)."""
         chosen = [b for b in self.lru if b in evictable][:count]
         gone = set(chosen)
+        self.last_evicted = {}
         if chosen:
             dead = {self.by_block[b] for b in chosen}
             # Children after parents: insertion order is chain order for each sequence.
@@ -138,10 +140,20 @@ class PrefixCache:
                     gone.add(entry.block)
             for h in dead:
                 entry = self.entries.pop(h)
+                self.last_evicted[entry.block] = h
                 del self.by_block[entry.block]
                 self.lru.pop(entry.block, None)
                 self.evicted.add(h)
         return sorted(gone)
+
+    def clear(self) -> list[int]:
+        """Forget every entry; returns the blocks whose held references the caller drops."""
+        blocks = sorted(self.by_block)
+        self.evicted.update(self.entries)
+        self.entries.clear()
+        self.by_block.clear()
+        self.lru.clear()
+        return blocks
 
     @property
     def hit_rate(self) -> float:
