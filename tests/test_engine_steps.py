@@ -19,13 +19,17 @@ from paged_jax.allocator import (
     admit,
     allocate_blocks,
     assert_invariants,
+    claim_steps,
     fork,
     init_state,
     release,
     share_prefix,
 )
-from paged_jax.engine import decode_step, decode_steps, pad_prompts, prefill, steps
-from paged_jax.kvcache import KVCache, init_cache
+from paged_jax.engine import decode_step, decode_steps, pad_prompts, prefill
+from paged_jax.engine.step_bodies import decode_step_body
+from paged_jax.engine.steps import HOIST_MAX_BYTES, Steps
+from paged_jax.kernels import strategies
+from paged_jax.kvcache import KVCache, copy_blocks, init_cache
 from paged_jax.model import init_model
 from tests.allocator_helpers import assert_matches_model
 from tests.model_helpers import TINY, dense_logits, run_greedy, scrambled_state
@@ -143,7 +147,7 @@ def test_decode_after_fork_copies_the_shared_block(split_model):
 def test_one_compilation_for_any_mix_of_sequences(split_model):
     graphdef, params = split_model
     traced = jax.jit(
-        chex.assert_max_traces(steps._decode_step, n=1),
+        chex.assert_max_traces(decode_step_body, n=1),
         static_argnames=("graphdef", "impl", "interpret"), donate_argnames=("kv", "state"),
     )
     kv, state = init_cache(TINY, CACHE), init_state(CACHE)
@@ -159,7 +163,6 @@ def test_one_compilation_for_any_mix_of_sequences(split_model):
                                   interpret=False)
     status.raise_if_failed()
     assert list(np.asarray(state.seq_lens)) == [0, 3, 0, 11]
-    assert traced._cache_size() == 1
 
 
 def test_steps_donate_and_update_in_place(split_model):
@@ -281,7 +284,7 @@ def test_step_bookkeeping_matches_the_model_allocator(num_steps):
     after a fork, out of blocks, a table's end) against the model allocator, which runs the
     same requests as ``num_steps`` appends and then a copy-on-write of each first write."""
     cfg = CacheConfig(num_blocks=20, block_size=4, max_seqs=4, max_blocks_per_seq=6)
-    claim = jax.jit(steps._claim, static_argnums=3)
+    claim = jax.jit(claim_steps, static_argnums=2)
     rng = np.random.default_rng(num_steps)
     model = ModelAllocator(cfg.num_blocks, cfg.block_size, cfg.max_seqs, cfg.max_blocks_per_seq)
     state = init_state(cfg)
@@ -317,7 +320,8 @@ def test_step_bookkeeping_matches_the_model_allocator(num_steps):
                 model = before
             grew = ok and (len(before.free) != len(model.free) or any(s >= 0 for s in src))
             seen["refused" if not ok else "slow" if grew else "fast"] += 1
-            kv, state, status = claim(kv, state, state.active, num_steps)
+            state, (src_ids, dst_ids), status = claim(state, state.active, num_steps)
+            kv = copy_blocks(kv, src_ids, dst_ids)
             assert bool(status.applied) == ok
             for s, d in zip(src, dst, strict=True):
                 if s >= 0:
@@ -453,29 +457,21 @@ def test_row_controls_are_checked_before_tracing(split_model):
     assert int(state.seq_lens[0]) == 3  # nothing was donated or changed
 
 
-def retrace_steps(monkeypatch, request, hoist_max_bytes: int) -> None:
-    """Set ``steps.HOIST_MAX_BYTES`` for one test (0 forces the per-step K-step form). The form
-    is chosen when the step is traced, and jax caches traces per function, not per jit object:
-    clear them now, and again after, so no other test reuses a forced form."""
-    monkeypatch.setattr(steps, "HOIST_MAX_BYTES", hoist_max_bytes)
-    jax.clear_caches()
-    request.addfinalizer(jax.clear_caches)
-
-
 @pytest.mark.parametrize("hoist", [True, False])
 def test_decode_steps_equal_single_steps_through_forks_and_poison(split_model, monkeypatch,
-                                                                  request, hoist):
+                                                                  hoist):
     """K steps in one dispatch against K ``decode_step`` calls, with permuted tables, NaN in
     every unwritten slot and a forked row whose first write lands in a shared, partly filled
     block (copy-on-write inside the dispatch): the same tokens and state, logits within float
     noise, and the same cache contents; and logits equal to the dense, no-cache pass. Both
     forms of the xla path: the context gathered once per dispatch, and per step (forced by a
-    zero ``HOIST_MAX_BYTES``)."""
+    zero ``hoist_max_bytes``)."""
     graphdef, params = split_model
-    retrace_steps(monkeypatch, request, steps.HOIST_MAX_BYTES if hoist else 0)
+    # A Steps of its own traces afresh, so the spy sees which form this trace takes.
+    runner = Steps(graphdef, hoist_max_bytes=HOIST_MAX_BYTES if hoist else 0)
     taken = []
-    real = steps._hoisted
-    monkeypatch.setattr(steps, "_hoisted", lambda *a: taken.append(1) or real(*a))
+    real = strategies.hoisted
+    monkeypatch.setattr(strategies, "hoisted", lambda *a: taken.append(1) or real(*a))
 
     prompts = prompts_of([5, 11], seed=12)
     kv, state = init_cache(TINY, CACHE, fill=np.nan), scrambled_state(CACHE, seed=5)
@@ -499,9 +495,8 @@ def test_decode_steps_equal_single_steps_through_forks_and_poison(split_model, m
         ref_logits.append(np.asarray(step_logits)[rows])
         ref_tokens.append(np.asarray(feed)[rows])
 
-    toks, got_logits, kv, state, status = decode_steps(
-        graphdef, params, kv, state, jnp.asarray(tokens), num_steps=num_steps,
-        return_logits=True,
+    toks, got_logits, kv, state, status = runner.decode_steps(
+        params, kv, state, jnp.asarray(tokens), num_steps=num_steps, return_logits=True,
     )
     status.raise_if_failed()
     assert len(taken) == int(hoist)
@@ -551,8 +546,8 @@ def test_bench_baseline_is_the_same_model_and_main_runs(split_model, capsys):
     status.raise_if_failed()
     shape = (TINY.num_layers, 2, TINY.num_kv_heads, 32, TINY.head_dim)
     dense = (jnp.zeros(shape), jnp.zeros(shape))
-    contiguous, _, lens = bench.contiguous_steps(graphdef, params, dense, jnp.zeros(2, jnp.int32),
-                                                 first, num_steps=8)
+    contiguous, _, lens = bench.contiguous_jit(graphdef)(params, dense, jnp.zeros(2, jnp.int32),
+                                                         first, num_steps=8)
     np.testing.assert_array_equal(np.asarray(contiguous), np.asarray(paged))
     assert list(np.asarray(lens)) == [8, 8]
 
@@ -565,26 +560,24 @@ def test_bench_baseline_is_the_same_model_and_main_runs(split_model, capsys):
 @pytest.mark.parametrize("kv_heads", [2, 1])
 @pytest.mark.parametrize("max_seqs,form", [(1, "step"), (1, "scan"), (4, "scan"),
                                            (4, "scan per step")])
-def test_compiled_steps_never_copy_the_kv_buffers(monkeypatch, request, kv_heads, max_seqs,
-                                                  form):
+def test_compiled_steps_never_copy_the_kv_buffers(kv_heads, max_seqs, form):
     """In place beyond pointer identity: the optimised HLO has no copy of a whole K/V buffer
     (nor of its per-layer flat view), in the single step or inside the K-step loop (context
     gathered once per dispatch, or per step). With one KV head (MQA) the buffer has a size-1
     axis, which XLA once laid out differently inside the loop, copying the cache every step."""
     config = TINY.replace(num_kv_heads=kv_heads)
     graphdef, params = nnx.split(init_model(config, seed=3))
-    if form == "scan per step":
-        retrace_steps(monkeypatch, request, 0)
+    runner = Steps(graphdef, hoist_max_bytes=0 if form == "scan per step" else HOIST_MAX_BYTES)
     cache = CacheConfig(num_blocks=8 * max_seqs, block_size=8, max_seqs=max_seqs,
                         max_blocks_per_seq=8)
     kv, state = init_cache(config, cache), init_state(cache)
     tokens = jnp.zeros(max_seqs, jnp.int32)
     if form == "step":
-        lowered = steps._decode_step_jit.lower(graphdef, params, kv, state, tokens, impl="xla",
+        lowered = runner.decode_step_jit.lower(params, kv, state, tokens, impl="xla",
                                                interpret=False)
     else:
-        lowered = steps._decode_steps_jit.lower(
-            graphdef, params, kv, state, tokens, jax.random.key(0), 0.0, num_steps=4,
+        lowered = runner.decode_steps_jit.lower(
+            params, kv, state, tokens, jax.random.key(0), 0.0, num_steps=4,
             impl="xla", interpret=False, return_logits=False, sample=False,
         )
     hlo = lowered.compile().as_text()
@@ -616,7 +609,7 @@ def test_bad_inputs_are_refused(split_model):
     kv, state = init_cache(TINY, CACHE), init_state(CACHE)
     with pytest.raises(ValueError, match=r"\[max_seqs\] = \[4\]"):
         decode_step(graphdef, params, kv, state, jnp.zeros(3, jnp.int32))
-    # The check remembers the shapes and dtypes it accepted; that must not let others through.
+    # After a call that passed, bad shapes and dtypes are still refused.
     _, kv, state, _ = decode_step(graphdef, params, kv, state, np.zeros(4, np.int32))
     for bad in (np.zeros(4, np.float32), np.zeros(3, np.int32), [0.5] * 4):
         with pytest.raises(ValueError, match=r"\[max_seqs\] = \[4\] int array"):
@@ -692,7 +685,9 @@ def test_prefill_into_an_occupied_slot_is_refused_unless_extending(split_model):
 
 def test_steps_hash_the_graphdef_once_not_per_call(split_model, monkeypatch):
     """jit hashes static arguments on every call, and hashing a GraphDef walks the whole graph
-    (about 0.3 ms here, more than a small model's decode step): the steps must not redo it."""
+    (more than a small model's decode step): a ``Steps`` closes over its graph, so no call
+    after the first (which traces) hashes it. The module functions, which take the graph as
+    a static argument, hash it per call: the count they add shows the counter works."""
     graphdef, params = split_model
     calls = []
     original = type(graphdef).__hash__
@@ -702,16 +697,29 @@ def test_steps_hash_the_graphdef_once_not_per_call(split_model, monkeypatch):
         return original(self)
 
     monkeypatch.setattr(type(graphdef), "__hash__", counting_hash)
-    steps._KEYS.clear()
+    runner = Steps(graphdef)
     kv, state = init_cache(TINY, CACHE), init_state(CACHE)
-    _, kv, state, _ = prefill(graphdef, params, kv, state, jnp.ones((1, 5), jnp.int32),
-                              jnp.array([0]), jnp.array([5]))
     tokens = jnp.zeros(CACHE.max_seqs, jnp.int32)
-    for _ in range(3):
-        _, kv, state, status = decode_step(graphdef, params, kv, state, tokens)
+
+    def five_calls(kv, state):
+        _, kv, state, status = runner.prefill(params, kv, state, jnp.ones((1, 5), jnp.int32),
+                                              jnp.array([0]), jnp.array([5]))
         status.raise_if_failed()
-    _, _, kv, state, _ = decode_steps(graphdef, params, kv, state, tokens, num_steps=2)
-    assert len(calls) == 1, f"GraphDef hashed {len(calls)} times over 5 step calls"
+        for _ in range(3):
+            _, kv, state, status = runner.decode_step(params, kv, state, tokens)
+            status.raise_if_failed()
+        _, _, kv, state, status = runner.decode_steps(params, kv, state, tokens, num_steps=2)
+        status.raise_if_failed()
+        state, status = release(state, jnp.array([0]))
+        return kv, state
+
+    kv, state = five_calls(kv, state)  # traces and compiles
+    traced = len(calls)
+    kv, state = five_calls(kv, state)
+    assert len(calls) == traced, f"GraphDef hashed {len(calls) - traced} times over 5 calls"
+    for _ in range(2):
+        _, kv, state, _ = decode_step(graphdef, params, kv, state, tokens)
+    assert len(calls) >= traced + 2
 
 
 def test_shapes_only_the_kernel_refuses_decode_on_the_xla_path():
@@ -758,7 +766,7 @@ def test_shared_writers_with_a_tight_pool_match_the_model_allocator(free):
     (the last writer keeps the original), though the step's cheap bound counts two. With one
     or two free blocks the step runs; with none it is refused, state and cache unchanged."""
     cfg = CacheConfig(num_blocks=8, block_size=4, max_seqs=4, max_blocks_per_seq=4)
-    claim = jax.jit(steps._claim, static_argnums=3)
+    claim = jax.jit(claim_steps, static_argnums=2)
     model = ModelAllocator(cfg.num_blocks, cfg.block_size, cfg.max_seqs, cfg.max_blocks_per_seq)
     state, _ = admit(init_state(cfg), jnp.array([0]), jnp.array([6]))  # 2 blocks, 2 tokens in
     model.admit([0], [6])
@@ -774,7 +782,8 @@ def test_shared_writers_with_a_tight_pool_match_the_model_allocator(free):
     expected = model.append([0, 1], [1, 1])
     codes, src, dst = model.copy_on_write([0, 1], [6, 6])
     ok = all(c == 0 for c in expected + codes)
-    kv, state, status = claim(kv, state, state.active, 1)
+    state, (src_ids, dst_ids), status = claim(state, state.active, 1)
+    kv = copy_blocks(kv, src_ids, dst_ids)
     assert bool(status.applied) == ok == (free > 0)
     if not ok:
         assert Code.OUT_OF_BLOCKS in np.asarray(status.code).tolist()
@@ -802,12 +811,13 @@ def test_compiled_steps_do_no_pool_sized_work(num_steps):
     cfg = CacheConfig(num_blocks=20_000, block_size=16, max_seqs=8, max_blocks_per_seq=8)
     kv, state = init_cache(small, cfg), init_state(cfg)
     tokens = jnp.zeros(cfg.max_seqs, jnp.int32)
+    runner = Steps(graphdef)
     if num_steps == 1:
-        lowered = steps._decode_step_jit.lower(steps._key(graphdef), params, kv, state, tokens,
-                                               impl="xla", interpret=False)
+        lowered = runner.decode_step_jit.lower(params, kv, state, tokens, impl="xla",
+                                               interpret=False)
     else:
-        lowered = steps._decode_steps_jit.lower(
-            steps._key(graphdef), params, kv, state, tokens, None, None, num_steps=num_steps,
+        lowered = runner.decode_steps_jit.lower(
+            params, kv, state, tokens, None, None, num_steps=num_steps,
             impl="xla", interpret=False, return_logits=False, sample=False)
     hlo = lowered.compile().as_text()
     assert pool_sized_work(hlo, state.buffers[0].shape[0]) == []

@@ -86,7 +86,7 @@ def test_decode_step_hands_the_whole_cache_to_the_kernel():
     from flax import nnx
 
     from paged_jax.allocator import CacheConfig, init_state
-    from paged_jax.engine import steps
+    from paged_jax.engine.step_bodies import decode_step_body
     from paged_jax.kvcache import init_cache
     from paged_jax.model import ModelConfig, init_model
 
@@ -95,8 +95,7 @@ def test_decode_step_hands_the_whole_cache_to_the_kernel():
     graphdef, params = nnx.split(init_model(cfg))
     cache = CacheConfig(num_blocks=48, block_size=16, max_seqs=4, max_blocks_per_seq=8)
     shapes = jax.eval_shape(lambda: (init_cache(cfg, cache), init_state(cache)))
-    step = functools.partial(steps._decode_step, steps._key(graphdef), impl="pallas",
-                             interpret=False)
+    step = functools.partial(decode_step_body, graphdef, impl="pallas", interpret=False)
     text = export_jit_for_cuda(
         step, params, *shapes, jax.ShapeDtypeStruct((4,), jnp.int32)
     ).mlir_module()

@@ -1,5 +1,6 @@
 """The functional block allocator: ``BlockState`` and pure, batched, jittable ops."""
 
+from paged_jax.allocator.claim import bad_tokens, claim_feeding, claim_steps
 from paged_jax.allocator.facade import BlockAllocator, RequestState
 from paged_jax.allocator.invariants import assert_invariants, check_invariants
 from paged_jax.allocator.loose import allocate_blocks, free_blocks, share_blocks
@@ -38,8 +39,11 @@ __all__ = [
     "allocate_blocks",
     "append",
     "assert_invariants",
+    "bad_tokens",
     "blocks_of",
     "check_invariants",
+    "claim_feeding",
+    "claim_steps",
     "copy_on_write",
     "fork",
     "free_blocks",

@@ -3,7 +3,8 @@
 The seed's ``allocate()`` / ``share()`` / ``free()`` work on bare block ids, not on sequences;
 a prefix cache that keeps blocks alive does the same. Such references are counted in
 ``BlockState.held``, so ``ref_counts == table references + held`` still holds. Same
-conventions as ``ops.py``: pure, batched, all-or-nothing with a ``Status``.
+conventions as ``ops.py``, from the same ``primitives.py``: pure, batched, all-or-nothing
+with a ``Status``.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.allocator.ops import (
-    _as_index_array,
-    _check_pool,
-    _decref,
-    _status,
-    _take_blocks,
+from paged_jax.allocator.primitives import (
+    as_index_array,
+    check_pool,
+    decref,
+    op_status,
+    take_blocks,
 )
 from paged_jax.allocator.state import NULL_BLOCK, BlockState
 from paged_jax.allocator.status import Code, Status, finalize, first_error
@@ -30,19 +31,19 @@ def allocate_blocks(state: BlockState, num_blocks: int) -> tuple[BlockState, jax
         raise ValueError(f"num_blocks must be a positive Python int. Got {num_blocks!r}.")
     n = state.config.num_blocks
     code = jnp.zeros((num_blocks,), jnp.int32)
-    code, need, cum = _check_pool(code, jnp.ones((num_blocks,), jnp.int32), state, 1)
+    code, need, cum = check_pool(code, jnp.ones((num_blocks,), jnp.int32), state, 1)
     code, apply = finalize(code)
-    new, blocks = _take_blocks(state, need, cum, apply, 1)
+    new, blocks = take_blocks(state, need, cum, apply, 1)
     blocks = blocks[:, 0]
     new = new.scatter("held", jnp.where(apply, blocks, n), 1, "add")
     ids = jnp.where(apply, blocks, NULL_BLOCK)
-    return new, ids, _status(code, ids, jnp.int32(num_blocks), state, "allocate")
+    return new, ids, op_status(code, ids, jnp.int32(num_blocks), state, "allocate")
 
 
 def _prepare_blocks(state: BlockState, block_ids):
     """``(ids, safe, in_range, code)``; NULL_BLOCK (-1) entries are padding: no error, no
     effect (so a caller can pad a varying count to a fixed shape and compile once)."""
-    ids = _as_index_array(block_ids, "block_ids")
+    ids = as_index_array(block_ids, "block_ids")
     n = state.config.num_blocks
     in_range = (ids >= 0) & (ids < n)
     ok = in_range | (ids == NULL_BLOCK)
@@ -58,7 +59,7 @@ def share_blocks(state: BlockState, block_ids) -> tuple[BlockState, Status]:
     code, apply = finalize(code)
     target = jnp.where(apply & in_range, ids, n)
     new = state.scatter("ref_counts", target, 1, "add").scatter("held", target, 1, "add")
-    return new, _status(code, ids, jnp.int32(0), state, "share")
+    return new, op_status(code, ids, jnp.int32(0), state, "share")
 
 
 def free_blocks(state: BlockState, block_ids) -> tuple[BlockState, Status]:
@@ -69,5 +70,5 @@ def free_blocks(state: BlockState, block_ids) -> tuple[BlockState, Status]:
     drops = jnp.zeros((n,), jnp.int32).at[jnp.where(in_range, ids, n)].add(1, mode="drop")
     code = first_error(code, in_range & (drops[safe] > state.held[safe]), Code.BAD_BLOCK)
     code, apply = finalize(code)
-    new = _decref(state, ids, in_range & apply, held_too=True)
-    return new, _status(code, ids, jnp.int32(0), state, "free")
+    new = decref(state, ids, in_range & apply, held_too=True)
+    return new, op_status(code, ids, jnp.int32(0), state, "free")

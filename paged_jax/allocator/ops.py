@@ -10,6 +10,9 @@ Conventions shared by every op:
 * All-or-nothing (see ``status.py``): on any failure the state comes back unchanged, because
   every scatter is redirected to an out-of-range index and dropped.
 * Within a batch, blocks are handed out in batch order, then in logical order.
+
+The shared pieces (validation, the pool check, taking and dropping blocks) are in
+``primitives.py``.
 """
 
 from __future__ import annotations
@@ -18,180 +21,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.allocator.primitives import (
+    as_index_array,
+    broadcast_like,
+    cdiv,
+    check_pool,
+    decref,
+    op_status,
+    prepare_seq_ids,
+    set_rows,
+    take_blocks,
+    write_tables,
+)
 from paged_jax.allocator.state import NULL_BLOCK, BlockState
-from paged_jax.allocator.status import Code, Status, details, finalize, first_error
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
-def _as_index_array(x, name: str) -> jax.Array:
-    """Validate dtype and rank before tracing; scalars become a batch of one."""
-    arr = jnp.asarray(x)
-    if not jnp.issubdtype(arr.dtype, jnp.integer):
-        raise ValueError(f"{name} must be an integer array. Got dtype {arr.dtype}.")
-    if arr.ndim == 0:
-        arr = arr[None]
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be a [batch] vector. Got shape {arr.shape}.")
-    return arr.astype(jnp.int32)
-
-
-def _broadcast_like(x, ids: jax.Array, name: str) -> jax.Array:
-    arr = jnp.asarray(x)
-    if not jnp.issubdtype(arr.dtype, jnp.integer):
-        raise ValueError(f"{name} must be integers. Got dtype {arr.dtype}.")
-    if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != ids.shape[0]):
-        raise ValueError(
-            f"{name} must be a scalar or match seq_ids' shape {ids.shape}. Got shape {arr.shape}."
-        )
-    return jnp.broadcast_to(arr.astype(jnp.int32), ids.shape)
-
-
-def _prepare(state: BlockState, seq_ids, name: str = "seq_ids", unique: bool = True):
-    """Returns ``(ids, safe, valid, code)``: ``safe`` is a gatherable index, ``valid`` marks
-    real (non-padding, in-range, non-duplicate) entries, ``code`` their first error."""
-    ids = _as_index_array(seq_ids, name)
-    max_seqs = state.config.max_seqs
-    pad = ids == -1
-    in_range = (ids >= 0) & (ids < max_seqs)
-    code = jnp.where(pad | in_range, Code.OK, Code.BAD_SEQ_ID).astype(jnp.int32)
-    safe = jnp.where(in_range, ids, 0)
-    if unique:
-        counts = jnp.zeros((max_seqs,), jnp.int32).at[jnp.where(in_range, ids, max_seqs)].add(
-            1, mode="drop"
-        )
-        code = first_error(code, in_range & (counts[safe] > 1), Code.DUPLICATE_SEQ)
-    return ids, safe, in_range & (code == Code.OK), code
-
-
-def _status(code, ids, requested, state: BlockState, op: str, table=None) -> Status:
-    """The op's ``Status``; ``table`` (``{Code: (value, limit, at)}``, see ``details``) gives
-    the numbers its messages name. A bad seq id always names ``max_seqs``."""
-    table = {Code.BAD_SEQ_ID: (ids, state.config.max_seqs, None), **(table or {})}
-    value, limit, at = details(code, table)
-    return Status(code=code, ids=ids, value=value, limit=limit, at=at, requested=requested,
-                  num_free=state.num_free, op=op)
-
-
-def prefix_sum(x: jax.Array, bound: int) -> jax.Array:
-    """Inclusive cumulative sum of a [batch] int vector whose entries lie in ``[0, bound]``.
-
-    XLA:CPU runs ``cumsum`` as a serial loop; a two-level triangular matmul in f32 is exact
-    while every partial sum stays below 2**24, which ``bound`` lets us check statically. Falls
-    back to ``cumsum`` otherwise (``paged-jax bench allocator`` measures the ops).
-    """
-    length = x.shape[0]
-    width = max(8, int(np.ceil(np.sqrt(length))))
-    rows = -(-length // width)
-    if length < 64 or rows * width * bound >= 2**24:
-        return jnp.cumsum(x, dtype=jnp.int32)
-    tri = jnp.triu(jnp.ones((width, width), jnp.float32))  # [width, width]
-    grid = jnp.pad(x, (0, rows * width - length)).astype(jnp.float32).reshape(rows, width)
-    within = jnp.matmul(grid, tri, precision=jax.lax.Precision.HIGHEST)  # [rows, width]
-    upper = jnp.triu(jnp.ones((rows, rows), jnp.float32), 1)  # [rows, rows]
-    before = jnp.matmul(within[:, -1], upper, precision=jax.lax.Precision.HIGHEST)  # [rows]
-    return (within + before[:, None]).reshape(-1)[:length].astype(jnp.int32)
-
-
-def _check_pool(code, need, state: BlockState, bound: int):
-    """Mark entries whose demand, accumulated in batch order, exceeds the free pool.
-
-    Returns ``(code, need, cum)``: ``need`` zeroed for failed entries, ``cum`` its prefix sum.
-    """
-    need = jnp.where(code == Code.OK, need, 0)
-    cum = prefix_sum(need, bound)
-    code = first_error(code, (need > 0) & (cum > state.num_free), Code.OUT_OF_BLOCKS)
-    return code, need, cum
-
-
-def _read_ring(state: BlockState, rank) -> jax.Array:
-    """``free_list[(free_head + rank) % num_blocks]`` for the ``rank`` [batch, max_new] (any
-    shape) of blocks about to be taken; a rank outside ``[0, rank.size)`` reads some block.
-
-    The taken blocks lie in the ``rank.size`` ring slots from the head, read here as two
-    windows of that size (from the head, and from the ring's start for the part that wraps
-    around) rather than by indexing the whole ring: on XLA:CPU a computation that reads a
-    pool-sized operand is split into parallel tasks, a thread hand-off on every decode step.
-    """
-    n, size = state.config.num_blocks, rank.size
-    if not 0 < size < n:
-        return state.free_list[(state.free_head + rank) % n]
-    r = jnp.clip(rank, 0, size - 1)
-    position = state.free_head + r  # ring slot, before wrapping around
-    start = jnp.minimum(state.free_head, n - size)  # the head window, kept inside the ring
-    head = state.window("free_list", start, size)[jnp.clip(position - start, 0, size - 1)]
-    wrapped = state.window("free_list", 0, size)[jnp.clip(position - n, 0, size - 1)]
-    return jnp.where(position < n, head, wrapped)
-
-
-def _take_blocks(state: BlockState, need, cum, apply, max_new: int, rank=None):
-    """Hand out ``need[i]`` blocks to each entry from the head of the free ring.
-
-    ``cum`` is ``prefix_sum(need)`` from ``_check_pool``. By default entry ``i`` takes the
-    ring's blocks ``cum[i] - need[i] ...`` (batch order); ``rank`` [batch, max_new] overrides
-    which head offset each new block comes from. Returns ``(state, blocks [batch, max_new])``:
-    blocks taken (NULL_BLOCK past ``need``), their ref counts set to 1 and their ring slots
-    cleared. Tables are not touched. Nothing is taken unless ``apply``.
-    """
-    n = state.config.num_blocks
-    need = jnp.where(apply, need, 0)
-    j = jnp.arange(max_new, dtype=jnp.int32)[None, :]  # [1, max_new]
-    take = j < need[:, None]  # [batch, max_new]
-    if rank is None:
-        rank = (cum - need)[:, None] + j  # [batch, max_new]
-    ring = (state.free_head + rank) % n  # [batch, max_new]
-    blocks = jnp.where(take, _read_ring(state, rank), NULL_BLOCK)
-    total = jnp.where(apply, cum[-1], 0) if cum.shape[0] else jnp.int32(0)
-    free_head, num_free = (state.free_head + total) % n, state.num_free - total
-    state = state.scatter("ref_counts", jnp.where(take, blocks, n), 1)
-    state = state.scatter("free_list", jnp.where(take, ring, n), NULL_BLOCK)
-    state = state.replace(free_head=free_head, num_free=num_free)
-    return state, blocks
-
-
-def _write_tables(state: BlockState, rows, first_col, blocks) -> BlockState:
-    """``block_tables[rows[i], first_col[i] + j] = blocks[i, j]`` where the block is real."""
-    m = state.config.max_blocks_per_seq
-    cols = first_col[:, None] + jnp.arange(blocks.shape[1], dtype=jnp.int32)[None, :]
-    cols = jnp.where(blocks != NULL_BLOCK, cols, m)
-    return state.scatter("block_tables", (rows[:, None], cols), blocks)
-
-
-def _decref(state: BlockState, blocks, mask, held_too: bool = False) -> BlockState:
-    """Drop one reference per masked entry of ``blocks`` (any shape; duplicates add up).
-    Blocks reaching zero join the tail of the free ring in row-major order of ``blocks``, exactly
-    as if the references were dropped one by one."""
-    n = state.config.num_blocks
-    flat = blocks.reshape(-1)
-    live = mask.reshape(-1) & (flat != NULL_BLOCK)
-    target = jnp.where(live, flat, n)
-    tail = state.free_head + state.num_free
-    new = state.scatter("ref_counts", target, -1, "add")
-    if held_too:
-        new = new.scatter("held", target, -1, "add")
-    ref = new.ref_counts
-    # As if the references were dropped one at a time in order: a block mentioned several
-    # times is appended once, at its last mention, when its count actually reaches zero.
-    order = jnp.arange(flat.shape[0], dtype=jnp.int32)
-    last = jnp.full((n,), -1, jnp.int32).at[target].max(order, mode="drop")
-    safe = jnp.where(live, flat, 0)
-    freed = live & (last[safe] == order) & (ref[safe] == 0)
-    pos = (tail + prefix_sum(freed.astype(jnp.int32), 1) - 1) % n
-    num_free = new.num_free + jnp.sum(freed, dtype=jnp.int32)
-    new = new.scatter("free_list", jnp.where(freed, pos, n), flat)
-    return new.replace(num_free=num_free)
-
-
-def _set_rows(state: BlockState, ids, apply, valid, seq_lens, active, tables=None):
-    rows = jnp.where(apply & valid, ids, state.config.max_seqs)
-    new = state.scatter("seq_lens", rows, seq_lens).scatter("active", rows, active)
-    if tables is not None:
-        cols = jnp.arange(state.config.max_blocks_per_seq, dtype=jnp.int32)[None, :]
-        new = new.scatter("block_tables", (rows[:, None], cols), tables)
-    return new
-
+from paged_jax.allocator.status import Code, Status, finalize, first_error
 
 # --------------------------------------------------------------------------------------------
 # Sequence ops
@@ -209,18 +52,18 @@ def admit(state: BlockState, seq_ids, num_tokens) -> tuple[BlockState, Status]:
       ``(state, status)``.
     """
     cfg = state.config
-    ids, safe, valid, code = _prepare(state, seq_ids)
-    n = _broadcast_like(num_tokens, ids, "num_tokens")
+    ids, safe, valid, code = prepare_seq_ids(state, seq_ids)
+    n = broadcast_like(num_tokens, ids, "num_tokens")
     code = first_error(code, valid & state.active[safe], Code.SEQ_ACTIVE)
     code = first_error(code, valid & ((n < 0) | (n > cfg.max_tokens_per_seq)), Code.BAD_LENGTH)
-    need = jnp.where(valid, _cdiv(n, cfg.block_size), 0)
-    code, need, cum = _check_pool(code, need, state, cfg.max_blocks_per_seq)
+    need = jnp.where(valid, cdiv(n, cfg.block_size), 0)
+    code, need, cum = check_pool(code, need, state, cfg.max_blocks_per_seq)
     code, apply = finalize(code)
-    new, blocks = _take_blocks(state, need, cum, apply, cfg.max_blocks_per_seq)
-    new = _write_tables(new, jnp.where(valid, ids, cfg.max_seqs), jnp.zeros_like(ids), blocks)
-    new = _set_rows(new, ids, apply, valid, n, True)
+    new, blocks = take_blocks(state, need, cum, apply, cfg.max_blocks_per_seq)
+    new = write_tables(new, jnp.where(valid, ids, cfg.max_seqs), jnp.zeros_like(ids), blocks)
+    new = set_rows(new, ids, apply, valid, n, True)
     table = {Code.BAD_LENGTH: (n, cfg.max_tokens_per_seq, None)}
-    return new, _status(code, ids, jnp.sum(need), state, "admit", table)
+    return new, op_status(code, ids, jnp.sum(need), state, "admit", table)
 
 
 def admit_cached(state: BlockState, seq_ids, block_ids, num_tokens) -> tuple[BlockState, Status]:
@@ -239,14 +82,14 @@ def admit_cached(state: BlockState, seq_ids, block_ids, num_tokens) -> tuple[Blo
     free (``BAD_BLOCK``), a length that does not match the blocks (``BAD_LENGTH``).
     """
     cfg = state.config
-    ids, safe, valid, code = _prepare(state, seq_ids)
+    ids, safe, valid, code = prepare_seq_ids(state, seq_ids)
     blocks = jnp.asarray(block_ids)
     if (blocks.shape != (ids.shape[0], cfg.max_blocks_per_seq)
             or not jnp.issubdtype(blocks.dtype, jnp.integer)):
         raise ValueError(f"block_ids must be a [batch, max_blocks_per_seq] = [{ids.shape[0]}, "
                          f"{cfg.max_blocks_per_seq}] int array. Got {blocks.dtype}{blocks.shape}.")
     blocks = blocks.astype(jnp.int32)
-    n = _broadcast_like(num_tokens, ids, "num_tokens")
+    n = broadcast_like(num_tokens, ids, "num_tokens")
     listed = blocks != NULL_BLOCK
     count = jnp.sum(listed, axis=1, dtype=jnp.int32)
     leading = jnp.all(listed == (jnp.arange(cfg.max_blocks_per_seq)[None, :] < count[:, None]),
@@ -256,15 +99,15 @@ def admit_cached(state: BlockState, seq_ids, block_ids, num_tokens) -> tuple[Blo
     bad_block = jnp.any(listed & (~in_range | (state.ref_counts[safe_blocks] == 0)), axis=1)
     code = first_error(code, valid & state.active[safe], Code.SEQ_ACTIVE)
     code = first_error(code, valid & (bad_block | ~leading), Code.BAD_BLOCK)
-    code = first_error(code, valid & ((n < 0) | (_cdiv(n, cfg.block_size) != count)),
+    code = first_error(code, valid & ((n < 0) | (cdiv(n, cfg.block_size) != count)),
                        Code.BAD_LENGTH)
     code, apply = finalize(code)
     inc = (valid & apply)[:, None] & listed
     new = state.scatter("ref_counts", jnp.where(inc, blocks, cfg.num_blocks), 1, "add")
-    new = _set_rows(new, ids, apply, valid, n, True, jnp.where(listed, blocks, NULL_BLOCK))
+    new = set_rows(new, ids, apply, valid, n, True, jnp.where(listed, blocks, NULL_BLOCK))
     table = {Code.BAD_LENGTH: (n, count * cfg.block_size,
                                jnp.maximum((count - 1) * cfg.block_size + 1, 0))}
-    return new, _status(code, ids, jnp.int32(0), state, "admit_cached", table)
+    return new, op_status(code, ids, jnp.int32(0), state, "admit_cached", table)
 
 
 def _select(state: BlockState, seq_ids_or_mask):
@@ -278,7 +121,7 @@ def _select(state: BlockState, seq_ids_or_mask):
         ids = jnp.where(sel, jnp.arange(cfg.max_seqs, dtype=jnp.int32), -1)
         code = jnp.zeros(sel.shape, jnp.int32)
         return ids, sel, code, state.seq_lens, state.active, True
-    ids, safe, valid, code = _prepare(state, seq_ids_or_mask)
+    ids, safe, valid, code = prepare_seq_ids(state, seq_ids_or_mask)
     return ids, valid, code, state.seq_lens[safe], state.active[safe], False
 
 
@@ -291,21 +134,21 @@ def _grow(state, ids, valid, code, old_len, active, n, dense, op, rank_fn=None, 
     code = first_error(
         code, valid & ((n < 0) | (new_len > cfg.max_tokens_per_seq)), Code.BAD_LENGTH
     )
-    have = _cdiv(old_len, cfg.block_size)
-    need = jnp.where(valid, _cdiv(new_len, cfg.block_size) - have, 0)
-    code, need, cum = _check_pool(code, need, state, max_new)
+    have = cdiv(old_len, cfg.block_size)
+    need = jnp.where(valid, cdiv(new_len, cfg.block_size) - have, 0)
+    code, need, cum = check_pool(code, need, state, max_new)
     code, apply = finalize(code)
     rank = None if rank_fn is None else rank_fn(need, have, old_len)
-    new, blocks = _take_blocks(state, need, cum, apply, max_new, rank)
+    new, blocks = take_blocks(state, need, cum, apply, max_new, rank)
     rows = jnp.where(valid, ids, cfg.max_seqs)
-    new = _write_tables(new, rows, have, blocks)
+    new = write_tables(new, rows, have, blocks)
     if dense:
         new = new.replace(seq_lens=jnp.where(apply & valid, new_len, state.seq_lens))
     else:
         new = new.scatter("seq_lens", jnp.where(apply, rows, cfg.max_seqs), new_len)
     table = {Code.BAD_LENGTH: (new_len, cfg.max_tokens_per_seq, None)}
     requested = cum[-1] if cum.shape[0] else jnp.int32(0)
-    return new, _status(code, ids, requested, state, op, table)
+    return new, op_status(code, ids, requested, state, op, table)
 
 
 def append(state: BlockState, seq_ids_or_mask, num_tokens=1) -> tuple[BlockState, Status]:
@@ -322,9 +165,9 @@ def append(state: BlockState, seq_ids_or_mask, num_tokens=1) -> tuple[BlockState
     """
     cfg = state.config
     ids, valid, code, old_len, active, dense = _select(state, seq_ids_or_mask)
-    n = _broadcast_like(num_tokens, ids, "num_tokens")
+    n = broadcast_like(num_tokens, ids, "num_tokens")
     if isinstance(num_tokens, (int, np.integer)) and num_tokens >= 0:
-        max_new = min(cfg.max_blocks_per_seq, _cdiv(int(num_tokens), cfg.block_size))
+        max_new = min(cfg.max_blocks_per_seq, cdiv(int(num_tokens), cfg.block_size))
     else:
         max_new = cfg.max_blocks_per_seq
     return _grow(state, ids, valid, code, old_len, active, n, dense, "append",
@@ -356,11 +199,11 @@ def reserve_steps(state: BlockState, seq_ids_or_mask, num_steps: int, steps=None
     cfg = state.config
     bs = cfg.block_size
     ids, valid, code, old_len, active, dense = _select(state, seq_ids_or_mask)
-    max_new = min(cfg.max_blocks_per_seq, _cdiv(int(num_steps), bs))
+    max_new = min(cfg.max_blocks_per_seq, cdiv(int(num_steps), bs))
     if steps is None:
         n = jnp.full(ids.shape, num_steps, jnp.int32)
     else:
-        n = _broadcast_like(steps, ids, "steps")
+        n = broadcast_like(steps, ids, "steps")
         # More steps than the dispatch runs: refused as a bad length, like a negative count.
         n = jnp.where(n > num_steps, -1, n)
 
@@ -368,7 +211,7 @@ def reserve_steps(state: BlockState, seq_ids_or_mask, num_steps: int, steps=None
         t0 = have * bs - length  # [batch] step of the first crossing, in [0, bs)
         t = t0[:, None] + bs * jnp.arange(max_new, dtype=jnp.int32)[None, :]  # [batch, new]
         # Crossings of every entry i' before step t: [batch, new, batch'] summed over i'.
-        before = jnp.clip(_cdiv(t[..., None] - t0[None, None, :], bs), 0, need[None, None, :])
+        before = jnp.clip(cdiv(t[..., None] - t0[None, None, :], bs), 0, need[None, None, :])
         batch = need.shape[0]
         order = jnp.arange(batch)
         same = ((t0[None, :] == t0[:, None]) & (order[None, :] < order[:, None]))  # [b, b']
@@ -383,19 +226,20 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, Status]:
     """Finish sequences: each block's ref count drops by one; blocks reaching zero join the
     tail of the free list (batch order, then logical order: the same as releasing one sequence
     at a time) and the slots become inactive."""
-    ids, safe, valid, code = _prepare(state, seq_ids)
+    ids, safe, valid, code = prepare_seq_ids(state, seq_ids)
     code = first_error(code, valid & ~state.active[safe], Code.SEQ_INACTIVE)
     code, apply = finalize(code)
     rows = state.block_tables[safe]  # [batch, max_blocks_per_seq]
-    new = _decref(state, rows, jnp.broadcast_to((valid & apply)[:, None], rows.shape))
-    new = _set_rows(new, ids, apply, valid, 0, False, NULL_BLOCK)
-    return new, _status(code, ids, jnp.int32(0), state, "release")
+    new = decref(state, rows, jnp.broadcast_to((valid & apply)[:, None], rows.shape))
+    new = set_rows(new, ids, apply, valid, 0, False, NULL_BLOCK)
+    return new, op_status(code, ids, jnp.int32(0), state, "release")
 
 
 def _share(state: BlockState, src_ids, dst_ids, num_blocks, op: str):
     cfg = state.config
-    src, src_safe, src_valid, code_s = _prepare(state, src_ids, "parent/src ids", unique=False)
-    dst, dst_safe, dst_valid, code = _prepare(state, dst_ids, "child/dst ids")
+    src, src_safe, src_valid, code_s = prepare_seq_ids(state, src_ids, "parent/src ids",
+                                                       unique=False)
+    dst, dst_safe, dst_valid, code = prepare_seq_ids(state, dst_ids, "child/dst ids")
     if src.shape != dst.shape:
         raise ValueError(f"{op}: source ids {src.shape} and destination ids {dst.shape} differ.")
     # An error that lies with the source (a bad or inactive parent, too few blocks to share)
@@ -408,8 +252,8 @@ def _share(state: BlockState, src_ids, dst_ids, num_blocks, op: str):
     code = first_error(code, valid & ~state.active[src_safe], Code.SEQ_INACTIVE)
     code = first_error(code, valid & state.active[dst_safe], Code.SEQ_ACTIVE)
     src_len = state.seq_lens[src_safe]
-    src_blocks = _cdiv(src_len, cfg.block_size)
-    k = src_blocks if num_blocks is None else _broadcast_like(num_blocks, src, "num_blocks")
+    src_blocks = cdiv(src_len, cfg.block_size)
+    k = src_blocks if num_blocks is None else broadcast_like(num_blocks, src, "num_blocks")
     code = first_error(code, valid & ((k < 0) | (k > src_blocks)), Code.BAD_NUM_BLOCKS)
     src_fault = src_fault | (code == Code.SEQ_INACTIVE) | (code == Code.BAD_NUM_BLOCKS)
     blamed = jnp.where(src_fault, src, dst)
@@ -421,8 +265,8 @@ def _share(state: BlockState, src_ids, dst_ids, num_blocks, op: str):
     inc = (valid & apply)[:, None] & (shared != NULL_BLOCK)
     new = state.scatter("ref_counts", jnp.where(inc, shared, cfg.num_blocks), 1, "add")
     new_len = jnp.minimum(k * cfg.block_size, src_len)
-    new = _set_rows(new, dst, apply, valid, new_len, True, shared)
-    return new, _status(code, blamed, jnp.int32(0), state, op, table)
+    new = set_rows(new, dst, apply, valid, new_len, True, shared)
+    return new, op_status(code, blamed, jnp.int32(0), state, op, table)
 
 
 def fork(state: BlockState, parent_ids, child_ids) -> tuple[BlockState, Status]:
@@ -461,10 +305,10 @@ def copy_on_write(state: BlockState, seq_ids, positions):
       copy (``dst <- src``), NULL_BLOCK where no copy is needed.
     """
     cfg = state.config
-    ids, safe, valid, code = _prepare(state, seq_ids)
-    pos = _broadcast_like(positions, ids, "positions")
+    ids, safe, valid, code = prepare_seq_ids(state, seq_ids)
+    pos = broadcast_like(positions, ids, "positions")
     code = first_error(code, valid & ~state.active[safe], Code.SEQ_INACTIVE)
-    have = _cdiv(state.seq_lens[safe], cfg.block_size)
+    have = cdiv(state.seq_lens[safe], cfg.block_size)
     col = pos // cfg.block_size
     code = first_error(code, valid & ((pos < 0) | (col >= have)), Code.BAD_POSITION)
     live = valid & (code == Code.OK)
@@ -479,16 +323,16 @@ def copy_on_write(state: BlockState, seq_ids, positions):
     rank = jnp.zeros_like(idx).at[order].set(idx - seg_start)
     refs = state.ref_counts[jnp.where(live, old, 0)]
     copy = live & (rank != refs - 1)
-    code, need, cum = _check_pool(code, copy.astype(jnp.int32), state, 1)
+    code, need, cum = check_pool(code, copy.astype(jnp.int32), state, 1)
     code, apply = finalize(code)
-    new, blocks = _take_blocks(state, need, cum, apply, 1)
-    new = _write_tables(new, jnp.where(live, ids, cfg.max_seqs), col, blocks)
+    new, blocks = take_blocks(state, need, cum, apply, 1)
+    new = write_tables(new, jnp.where(live, ids, cfg.max_seqs), col, blocks)
     copy = copy & apply
     new = new.scatter("ref_counts", jnp.where(copy, old, cfg.num_blocks), -1, "add")
     src = jnp.where(copy, old, NULL_BLOCK)
     dst = jnp.where(copy, blocks[:, 0], NULL_BLOCK)
     table = {Code.BAD_POSITION: (pos, have * cfg.block_size, None)}
-    return new, (src, dst), _status(code, ids, jnp.sum(need), state, "copy_on_write", table)
+    return new, (src, dst), op_status(code, ids, jnp.sum(need), state, "copy_on_write", table)
 
 
 def slot_mapping(state: BlockState, seq_ids, positions) -> jax.Array:
@@ -503,7 +347,7 @@ def slot_mapping(state: BlockState, seq_ids, positions) -> jax.Array:
       positions outside ``[0, seq_len)``. Writers must drop ``-1`` slots, never index with them.
     """
     cfg = state.config
-    ids = _as_index_array(seq_ids, "seq_ids")
+    ids = as_index_array(seq_ids, "seq_ids")
     pos = jnp.asarray(positions)
     if not jnp.issubdtype(pos.dtype, jnp.integer) or pos.ndim not in (1, 2):
         raise ValueError(

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.allocator import CacheConfig, admit, init_state
-from paged_jax.engine.steps import _key, _merge, decode_steps
+from paged_jax.engine.steps import Steps
 from paged_jax.kvcache import init_cache
 from paged_jax.model import ModelConfig, init_model
 
@@ -96,9 +96,9 @@ def _contiguous_decode(model, cache, lens, tokens):
     return logits[:, 0], cache, lens + 1
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps"), donate_argnames="cache")
 def contiguous_steps(graphdef, params, cache, lens, tokens, *, num_steps):
-    model = _merge(graphdef, params)  # graphdef: a _key(...), hashed once, as the paged steps do
+    """``num_steps`` greedy steps over the contiguous cache; ``contiguous_jit`` jits it."""
+    model = nnx.merge(graphdef, params)
 
     def body(carry, _):
         cache, lens, tokens = carry
@@ -110,10 +110,20 @@ def contiguous_steps(graphdef, params, cache, lens, tokens, *, num_steps):
     return out, cache, lens
 
 
+def contiguous_jit(graphdef):
+    """``contiguous_steps`` jitted with ``graphdef`` closed over, as ``Steps`` does for the
+    paged steps: no call hashes the graph."""
+    return jax.jit(functools.partial(contiguous_steps, graphdef), static_argnames="num_steps",
+                   donate_argnames="cache")
+
+
 # --------------------------------------------------------------------------------------------
 
 
-def bench_shape(graphdef, params, cfg: ModelConfig, batch, context, args):
+def bench_shape(paged_steps: Steps, contiguous, params, cfg: ModelConfig, batch, context,
+                args):
+    """One batch x context: ``paged_steps`` (a ``Steps``) against ``contiguous``
+    (``contiguous_jit``) of the same graph. Returns ``(rates, ratios)``."""
     bs, n = args.block_size, args.tokens
     max_blocks = -(-(context + n) // bs)
     cache_cfg = CacheConfig(batch * max_blocks, bs, batch, max_blocks)
@@ -124,8 +134,8 @@ def bench_shape(graphdef, params, cfg: ModelConfig, batch, context, args):
     def paged_run(k):
         state, nxt = fresh_state(), tokens
         for _ in range(n // k):
-            out, _, paged["kv"], state, status = decode_steps(
-                graphdef, params, paged["kv"], state, nxt, num_steps=k, impl=args.impl
+            out, _, paged["kv"], state, status = paged_steps.decode_steps(
+                params, paged["kv"], state, nxt, num_steps=k, impl=args.impl
             )
             nxt = jax.device_get(out)[-1]  # the host round trip
         # A dispatch that did not run emits -1s, and a step fed a -1 is refused (BAD_TOKEN)
@@ -138,9 +148,7 @@ def bench_shape(graphdef, params, cfg: ModelConfig, batch, context, args):
     def contiguous_run(k):
         lens, nxt = jnp.full((batch,), context, jnp.int32), tokens
         for _ in range(n // k):
-            out, dense["cache"], lens = contiguous_steps(
-                _key(graphdef), params, dense["cache"], lens, nxt, num_steps=k
-            )
+            out, dense["cache"], lens = contiguous(params, dense["cache"], lens, nxt, num_steps=k)
             nxt = jax.device_get(out)[-1]  # the host round trip
 
     variants = {(name, k): functools.partial(run, k)
@@ -192,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     graphdef, params = nnx.split(init_model(cfg))
     params = nnx.to_pure_dict(params)  # what a serving loop passes (see engine.steps)
+    paged_steps, contiguous = Steps(graphdef), contiguous_jit(graphdef)
     print(f"paged-jax bench decode: backend {jax.default_backend()}, {jax.devices()[0]}")
     print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
           f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, {cfg.dtype}; "
@@ -209,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() - start > args.time_budget:
                 print(f"{batch:>5} {context:>5} | skipped (time budget)")
                 continue
-            r, q = bench_shape(graphdef, params, cfg, batch, context, args)
+            r, q = bench_shape(paged_steps, contiguous, params, cfg, batch, context, args)
             for key, value in q.items():
                 ratios[key].append(value)
             print(f"{batch:>5} {context:>5} | {r['paged', 1]:>10.0f} {r['paged', 8]:>10.0f} "

@@ -1,0 +1,206 @@
+"""The serving steps' traced bodies: what ``steps.py`` and its ``Steps`` object jit.
+
+Each takes the model's ``graphdef`` first (a static argument or closed over), then
+``(params, kv, state, ...)``, and does the step's three parts: the allocator's bookkeeping
+(``admit``/``append`` and copy-on-write for prefill, ``claim_feeding`` for decode), the
+forward pass writing the new K/V in place, and for ``decode_steps_body`` the ``lax.scan``
+over steps with in-dispatch stops and sampling. The inputs are checked before, on the host
+(``step_inputs.py``); ``steps.py`` documents the behaviour.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paged_jax.allocator import (
+    BlockState,
+    Code,
+    Status,
+    admit,
+    append,
+    bad_tokens,
+    claim_feeding,
+    copy_on_write,
+    slot_mapping,
+)
+from paged_jax.allocator.status import combine, details
+from paged_jax.engine import sampling
+from paged_jax.kernels import strategies
+from paged_jax.kernels.reference import gather_pages
+from paged_jax.kvcache import KVCache, copy_blocks, write
+from paged_jax.model.llama import masked_attention
+
+
+def _select(pred, on_true, on_false):
+    """Pytree-wide ``where`` on a scalar predicate (all-or-nothing state updates)."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState, tokens,
+                 seq_ids, num_tokens, extend, *, all_logits: bool):
+    """``prefill`` on checked inputs: tokens [B, T], seq_ids and num_tokens [B] int, extend
+    [B] bool. Returns ``(logits, kv, state, status)``."""
+    cfg = state.config
+    model = nnx.merge(graphdef, params)
+    batch, width = tokens.shape
+    ids = seq_ids.astype(jnp.int32)
+    n = num_tokens.astype(jnp.int32)
+    in_range = (ids >= 0) & (ids < cfg.max_seqs)
+    safe = jnp.where(in_range, ids, 0)
+    # An extending row continues its active slot (its first blocks shared or prefix-cached);
+    # every other row is admitted fresh, so a row into an occupied slot is refused
+    # (SEQ_ACTIVE) and an extending row into an empty one too (SEQ_INACTIVE).
+    cached = jnp.where(extend & in_range, state.seq_lens[safe], 0)  # [B] tokens in the cache
+
+    st, s_admit = admit(state, jnp.where(extend, -1, ids), jnp.where(extend, 0, n))
+    st, s_append = append(st, jnp.where(extend, ids, -1), jnp.where(extend, n, 0))
+    # Only the block holding the first new token can be shared and partly filled.
+    cow_ids = jnp.where(extend & (cached % cfg.block_size != 0) & (n > 0), ids, -1)
+    st, (src, dst), s_cow = copy_on_write(st, cow_ids, cached)
+    # A real row must bring 1..T new tokens: more than `tokens` holds would leave cache
+    # slots that nothing writes.
+    bad_len = (ids != -1) & ((n < 1) | (n > width))
+    # Only a row's first n tokens are read: padding past them may hold anything.
+    col = jnp.arange(width, dtype=jnp.int32)[None, :]
+    new = (ids != -1)[:, None] & (col < n[:, None])  # [B, T]
+    bad = bad_tokens(tokens, new, model.config.vocab_size)  # [B, T]
+    first_bad = jnp.argmax(bad, axis=1)  # [B] column of the row's first bad id
+    own = jnp.where(bad_len, jnp.int32(Code.BAD_NUM_TOKENS),
+                    jnp.where(jnp.any(bad, axis=1), jnp.int32(Code.BAD_TOKEN), jnp.int32(Code.OK)))
+    value, limit, at = details(own, {
+        Code.BAD_NUM_TOKENS: (n, width, None),
+        Code.BAD_TOKEN: (tokens[jnp.arange(batch), first_bad], model.config.vocab_size,
+                         cached + first_bad),
+    })
+    own = Status(code=own, ids=ids, value=value, limit=limit, at=at, requested=0,
+                 num_free=state.num_free, op="prefill")
+    status = combine(ids, state.num_free, "prefill", s_admit, s_append, s_cow, own=own)
+    ok = status.applied
+    state = _select(ok, st, state)
+    kv = copy_blocks(kv, jnp.where(ok, src, -1), dst)
+
+    positions = cached[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, T]
+    live = ok & (jnp.arange(width)[None, :] < n[:, None])  # [B, T]
+    slots = jnp.where(live, slot_mapping(state, ids, positions), -1)  # [B, T]
+    kv_lens = jnp.where(ok & in_range, state.seq_lens[safe], 0)  # [B]
+    tables = jnp.where(in_range[:, None], state.block_tables[safe], -1)  # [B, M]
+    key_pos = jnp.arange(tables.shape[1] * cfg.block_size)  # [S]
+    mask = (key_pos[None, None, :] <= positions[:, :, None]) & (
+        key_pos[None, None, :] < kv_lens[:, None, None]
+    )  # [B, T, S]
+
+    def attend(layer, q, k, v, kv):  # q [B, T, Hq, D]; k, v [B, T, Hkv, D]
+        kv = write(kv, layer, slots, k, v)
+        keys = gather_pages(kv.k[layer], tables).swapaxes(1, 2)  # [B, S, Hkv, D]
+        values = gather_pages(kv.v[layer], tables).swapaxes(1, 2)
+        return masked_attention(q, keys, values, mask), kv
+
+    h, kv = model.hidden(tokens.astype(jnp.int32), positions, kv, attend)  # [B, T, E]
+    if all_logits:
+        logits = model.logits(h)  # [B, T, V]
+    else:
+        last = jnp.maximum(n - 1, 0)
+        logits = model.logits(h[jnp.arange(batch), last])  # [B, V]
+    return logits, kv, state, status
+
+
+def _claim(model, kv: KVCache, state: BlockState, tokens, mask, num_steps: int, op: str,
+           budgets=None):
+    """``claim_feeding``, with its block copies applied to ``kv``. Copy-on-write is rare (the
+    first write after a fork into a shared, partly filled block): skipped when no row
+    copies."""
+    state, (src, dst), status = claim_feeding(state, tokens, mask, num_steps,
+                                              model.config.vocab_size, budgets, op=op)
+    kv = jax.lax.cond(jnp.any((src >= 0) & (dst >= 0)),
+                      lambda kv: copy_blocks(kv, src, dst), lambda kv: kv, kv)
+    return kv, state, status
+
+
+def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, attention,
+             extra=()):
+    """One token per row at ``positions`` (rows not ``live`` write nothing): writes its K/V
+    at the row's ``slot_mapping``, then ``attention(layer, q, k, v, kv, extra) -> (out,
+    extra)`` (a ``kernels.strategies`` attention) attends. ``state`` has already claimed the
+    blocks (its lengths may run ahead, as after ``reserve_steps``).
+
+    Returns ``(logits [S, V], kv, extra)``."""
+    ids = jnp.where(live, jnp.arange(tokens.shape[0], dtype=jnp.int32), -1)  # [S]
+    slots = slot_mapping(state, ids, positions)  # [S], -1 for rows that write nothing
+
+    def attend(layer, q, k, v, carry):  # q [S, 1, Hq, D]; k, v [S, 1, Hkv, D]
+        kv, extra = carry
+        kv = write(kv, layer, slots, k, v)
+        out, extra = attention(layer, q[:, 0], k[:, 0], v[:, 0], kv, extra)
+        return out[:, None], (kv, extra)
+
+    logits, (kv, extra) = model(tokens[:, None], positions[:, None], (kv, extra), attend)
+    return logits[:, 0], kv, extra
+
+
+def decode_step_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState, tokens,
+                     *, impl: str, interpret: bool):
+    """``decode_step`` on checked inputs (tokens [max_seqs] int): one token for every active
+    row. Returns ``(logits, kv, state, status)``."""
+    model = nnx.merge(graphdef, params)
+    tokens, mask = tokens.astype(jnp.int32), state.active
+    positions = state.seq_lens
+    kv, state, status = _claim(model, kv, state, tokens, mask, 1, "decode_step")
+    live = mask & status.applied
+    attention_at, extra = strategies.per_step(state.block_tables, positions, impl=impl,
+                                              interpret=interpret)
+    logits, kv, _ = _forward(model, kv, state, tokens, positions, live, attention_at(0, live),
+                             extra)
+    return logits, kv, state, status
+
+
+def decode_steps_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState, tokens,
+                      key, temperature, top_k=None, top_p=None, budgets=None, stop_ids=None,
+                      seeds=None, *, num_steps: int, impl: str, interpret: bool,
+                      return_logits: bool, sample: bool, filtered: bool = False,
+                      hoist_max_bytes: int = strategies.HOIST_MAX_BYTES):
+    """``decode_steps`` on checked inputs (``step_inputs.decode_steps_inputs``). Returns
+    ``(tokens, logits, kv, state, status)``."""
+    model = nnx.merge(graphdef, params)
+    # All K steps' blocks are claimed once, up front: the scan body does no allocator work.
+    mask = state.active
+    start = state.seq_lens  # [S]
+    tokens = tokens.astype(jnp.int32)
+    if budgets is not None:
+        budgets = budgets.astype(jnp.int32)
+        mask = mask & (budgets > 0)
+    kv, state, status = _claim(model, kv, state, tokens, mask, num_steps, "decode_steps",
+                               budgets)
+    live = mask & status.applied
+    limit = jnp.full_like(start, num_steps) if budgets is None else budgets  # [S]
+    attention_at, extra = strategies.decode_strategy(
+        kv, state.block_tables, start, live, num_steps, impl=impl, interpret=interpret,
+        hoist_max_bytes=hoist_max_bytes)
+
+    def body(loop, xs):
+        kv, extra, tokens, going = loop  # going: [S] rows that run step t
+        t, step_key = xs
+        logits, kv, extra = _forward(model, kv, state, tokens, start + t, going,
+                                     attention_at(t, going), extra)
+        if seeds is not None and sample:  # one key per row: its seed, the new token's position
+            step_key = sampling.row_keys(seeds, start + t + 1)
+        if sample:  # static: a greedy run draws no random numbers
+            # Static too: with the filters off, the scan has no full-vocabulary sort.
+            nxt = (sampling.sample(logits, step_key, temperature, top_k, top_p) if filtered
+                   else sampling.sample(logits, step_key, temperature))
+        else:
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        emitted = jnp.where(going, nxt, -1)  # [S]
+        tokens = jnp.where(going, nxt, tokens)
+        stopped = jnp.zeros_like(going) if stop_ids is None else jnp.any(
+            (nxt[:, None] == stop_ids) & (stop_ids >= 0), axis=1)
+        going = going & ~stopped & (t + 1 < limit)
+        out = (emitted, logits) if return_logits else (emitted,)
+        return (kv, extra, tokens, going), out
+
+    keys = jax.random.split(key, num_steps) if sample and seeds is None else None
+    steps = (jnp.arange(num_steps, dtype=jnp.int32), keys)
+    (kv, _, _, _), out = jax.lax.scan(body, (kv, extra, tokens, live), steps)
+    logits = out[1] if return_logits else None
+    return out[0], logits, kv, state, status

@@ -1,0 +1,126 @@
+"""Decode attention strategies: how a decode step's attention reads the paged cache.
+
+A strategy is what the engine's decode steps plug into the model's ``attend`` callback. For a
+dispatch of ``num_steps`` steps it gives ``(attention_at, extra)``: ``attention_at(t, live_t)``
+is step ``t``'s ``attention(layer, q, k, v, kv, extra) -> (out, extra)`` (q ``[S, Hq, D]``, k
+and v ``[S, Hkv, D]`` the step's new keys and values, already written to ``kv``; out ``[S,
+Hq, D]``), ``live_t`` ([S] bool) the rows still going at step ``t``, and ``extra`` the state
+the strategy threads through the layers and steps beside the cache.
+
+* ``per_step``: every step runs ``paged_attention`` over the pool (Pallas or xla).
+* ``hoisted``: the xla path with each row's context gathered once per dispatch
+  (``paged-jax bench decode`` measures what that saves).
+
+``decode_strategy`` picks one. ``kv`` is a ``KVCache`` (``k`` and ``v`` ``[layers, kv_heads,
+num_blocks, block_size, head_dim]``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax.kernels.pallas_decode import paged_attention, resolve_impl
+from paged_jax.kernels.reference import attend_segments, gather_context
+
+# The default for decode_strategy's hoist_max_bytes: above this many bytes of gathered context
+# (keys and values of every layer), the xla K-step path gathers per step instead of once per
+# dispatch: the copy would cost more memory than the gathers it saves are worth.
+HOIST_MAX_BYTES = 256 << 20
+
+
+def paged_step(block_tables, context_lens, *, impl: str, interpret: bool):
+    """The attention of one step over the pool: ``paged_attention`` of each row's first
+    ``context_lens`` tokens (the new one included), no extra state.
+
+    Args:
+      block_tables: [S, max_blocks_per_seq] int32.
+      context_lens: [S] int32, 0 for rows that attend to nothing.
+    """
+
+    def attention(layer, q, k, v, kv, extra):
+        # The whole cache and the layer index, not kv.k[layer]: the kernel reads the layer
+        # in place, where a slice would be copied before the Pallas call.
+        out = paged_attention(
+            q, kv.k, kv.v, block_tables, context_lens,
+            impl=impl, interpret=interpret, layer=layer,
+        )  # [S, Hq, D]
+        return out, extra
+
+    return attention
+
+
+def per_step(block_tables, start, *, impl: str, interpret: bool):
+    """Every step gathers and attends over the pool: step ``t`` of row ``r`` reads its
+    ``start[r] + t + 1`` tokens. ``block_tables`` [S, M] int32, ``start`` [S] int32 (each
+    row's length before the dispatch). Returns ``(attention_at, ())``."""
+
+    def attention_at(t, live_t):
+        lens = jnp.where(live_t, start + t + 1, 0)  # [S]
+        return paged_step(block_tables, lens, impl=impl, interpret=interpret)
+
+    return attention_at, ()
+
+
+def hoisted(kv, block_tables, start, live, num_steps: int):
+    """The xla path's steps with each row's context gathered once per dispatch.
+
+    Under the scan the pool changes only at the K new slots, so each layer's context (the
+    ``start`` [S] tokens the ``live`` [S] rows held before this dispatch) is gathered and
+    masked once, up front. Step ``t``'s attention also keeps its new K/V in ``extra``
+    (``[layers, rows, kv_heads, K, head_dim]`` keys and values) and attends over the gathered
+    context plus the kept tokens ``0..t``: one gather per layer per dispatch instead of K.
+    Returns ``(attention_at, extra)``.
+    """
+    layers, heads, _, _, head_dim = kv.k.shape
+    rows = start.shape[0]
+    context = [
+        gather_context(kv.k[layer], kv.v[layer], block_tables, jnp.where(live, start, 0))
+        for layer in range(layers)
+    ]  # per layer: k, v [rows, heads, T, D], live [rows, T]
+    shape = (layers, rows, heads, num_steps, head_dim)
+    sm_scale = 1.0 / math.sqrt(head_dim)  # paged_attention's default, which per_step uses
+
+    def attention_at(t, live_t):
+        # A row still going at step t went at every step before it: its kept tokens 0..t
+        # are its own.
+        new_live = (jnp.arange(num_steps)[None, :] <= t) & live[:, None]  # [rows, K]
+
+        def attention(layer, q, k, v, kv, extra):
+            new_k, new_v = (
+                jax.lax.dynamic_update_slice(
+                    buf, x[None, :, :, None].astype(buf.dtype), (layer, 0, 0, t, 0)
+                )
+                for buf, x in zip(extra, (k, v), strict=True)
+            )
+            # The new values past step t are still the zeros they started as: finite.
+            segments = [context[layer], (new_k[layer], new_v[layer], new_live)]
+            return attend_segments(q, segments, sm_scale=sm_scale), (new_k, new_v)
+
+        return attention
+
+    return attention_at, (jnp.zeros(shape, kv.k.dtype), jnp.zeros(shape, kv.v.dtype))
+
+
+def hoisted_bytes(kv, block_tables) -> int:
+    """Bytes ``hoisted`` gathers: every row's whole table, keys and values, all layers
+    (``block_tables`` [S, M])."""
+    layers, heads, _, block_size, head_dim = kv.k.shape
+    tokens = block_tables.shape[0] * block_tables.shape[1] * block_size
+    return 2 * layers * heads * tokens * head_dim * kv.k.dtype.itemsize
+
+
+def decode_strategy(kv, block_tables, start, live, num_steps: int, *, impl: str,
+                    interpret: bool, hoist_max_bytes: int = HOIST_MAX_BYTES):
+    """The strategy a dispatch of ``num_steps`` runs: ``hoisted`` on the xla path (``impl``
+    "xla", or "auto" off GPU) when ``num_steps > 1`` and ``hoisted_bytes`` is at most
+    ``hoist_max_bytes``, ``per_step`` otherwise. The results are the same either way, up to
+    float summation order. Returns ``(attention_at, extra)``."""
+    resolved = resolve_impl(impl, batch=block_tables.shape[0], head_dim=kv.k.shape[-1],
+                            block_size=kv.k.shape[3])
+    if (num_steps > 1 and resolved == "xla"
+            and hoisted_bytes(kv, block_tables) <= hoist_max_bytes):
+        return hoisted(kv, block_tables, start, live, num_steps)
+    return per_step(block_tables, start, impl=impl, interpret=interpret)
