@@ -2,6 +2,8 @@
 
     paged-jax viz --scenario seed --out out/seed
     paged-jax viz --scenario random --blocks 2000 --requests 200 --out out/big
+    paged-jax viz --scenario engine --out out/engine            # SmolLM2 through LLMEngine
+    paged-jax viz --scenario engine --model tiny --out out/tiny  # the tiny random Llama
     paged-jax viz --log out/seed/run.json --out out/again
 
 Writes into ``--out``: ``run.json`` (the event log), ``layout.txt`` (the terminal view of every
@@ -16,6 +18,7 @@ import os
 import sys
 
 SCENARIO_CHOICES = ("seed", "prefix-sharing", "fork-cow", "random", "engine")
+ENGINE_MODELS = ("smollm2", "tiny")  # engine_run.MODELS, without importing the engine here
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=int, default=None, metavar="N",
                         help="random: bring N requests through the pool (runs past --steps "
                         "until they have all arrived)")
+    parser.add_argument("--model", choices=ENGINE_MODELS, default=None,
+                        help="engine: the model served (default smollm2, SmolLM2-135M-Instruct "
+                        "on chat prompts; tiny: a random Llama on token ids)")
     parser.add_argument("--no-gif", action="store_true",
                         help="skip the per-step PNGs and the GIF (the slow part)")
     parser.add_argument("--play", action="store_true",
@@ -43,17 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def record(scenario: str, steps: int = 40, seed: int = 0, blocks: int | None = None,
-           requests: int | None = None):
-    """The ``RunLog`` of ``scenario``; ``steps``, ``blocks`` and ``requests`` shape ``random``."""
+           requests: int | None = None, model: str | None = None):
+    """The ``RunLog`` of ``scenario``; ``steps``, ``blocks`` and ``requests`` shape ``random``,
+    ``model`` (``"smollm2"``, the default, or ``"tiny"``) is what ``engine`` serves."""
     from paged_jax.viz import scenarios
 
     if scenario != "random" and (blocks is not None or requests is not None):
         raise ValueError(f"--blocks and --requests apply to --scenario random, not {scenario!r}.")
+    if scenario != "engine" and model is not None:
+        raise ValueError(f"--model applies to --scenario engine, not {scenario!r}.")
 
     if scenario == "engine":
-        from paged_jax.viz.engine_run import engine_run
+        from paged_jax.viz import engine_run
 
-        return engine_run(seed=seed)
+        return engine_run.engine_run(model=model or "smollm2", seed=seed)
     if scenario == "random":
         return scenarios.random_run(steps=steps, seed=seed, num_blocks=blocks,
                                     num_requests=requests)
@@ -98,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     else:
         try:
-            log = record(args.scenario, args.steps, args.seed, args.blocks, args.requests)
+            log = record(args.scenario, args.steps, args.seed, args.blocks, args.requests,
+                         args.model)
         except ValueError as err:
             print(f"paged-jax viz: {err}", file=sys.stderr)
             return 2

