@@ -32,6 +32,7 @@ BENCHMARKS = {
     "allocator": "paged_jax.allocator.bench",
     "kernel": "paged_jax.kernels.bench",
     "decode": "paged_jax.engine.bench",
+    "engine": "paged_jax.engine.bench_engine",
 }
 
 

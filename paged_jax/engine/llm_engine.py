@@ -202,6 +202,7 @@ class LLMEngine:
         self.lookups: list[tuple[str, Lookup]] = []
         self.listeners: list = []
         self.steps_run = 0
+        self._tables_of, self._tables_host = None, None
 
     def add_listener(self, listener) -> None:
         """Call ``listener(event)`` with every event (``paged_jax.engine.events``): the KV
@@ -645,7 +646,11 @@ class LLMEngine:
         return out
 
     def _tables(self) -> np.ndarray:
-        return np.asarray(jax.device_get(self.state.block_tables))
+        """The block tables on the host, read once per state (every op returns a new one)."""
+        if self._tables_of is not self.state:
+            self._tables_host = np.asarray(jax.device_get(self.state.block_tables))
+            self._tables_of = self.state
+        return self._tables_host
 
     def _free(self, seqs: list[Sequence]) -> None:
         for s in seqs:
