@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from paged_jax.viz.cli import main
@@ -72,3 +73,15 @@ def test_scale_flags_are_checked(tmp_path, capsys):
     assert "--blocks and --requests apply to --scenario random" in capsys.readouterr().err
     assert main(["--scenario", "random", "--blocks", "3", "--out", str(tmp_path)]) == 2
     assert "num_blocks must be an int >= 8. Got 3" in capsys.readouterr().err
+
+
+def test_model_flag_is_checked(tmp_path, capsys):
+    assert main(["--scenario", "seed", "--model", "tiny", "--out", str(tmp_path)]) == 2
+    assert "--model applies to --scenario engine, not 'seed'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--scenario", "engine", "--model", "big", "--out", str(tmp_path)])
+    assert "invalid choice: 'big'" in capsys.readouterr().err
+    from paged_jax.viz.cli import ENGINE_MODELS
+    from paged_jax.viz.engine_run import MODELS
+
+    assert ENGINE_MODELS == MODELS  # the flag offers what engine_run serves

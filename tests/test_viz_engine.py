@@ -86,7 +86,10 @@ def test_events_replay_to_every_snapshot(run):
             if e.kind in ("alloc", "share", "fork", "prefix_hit", "cow_copy"):
                 assert (refs[b] == 0) == (e.kind in ("alloc", "cow_copy")), e.describe()
                 refs[b] += 1
-                if e.request is None:
+                if e.request is None:  # the prefix cache enters full blocks only
+                    assert e.kind == "alloc" or any(
+                        entry == [b, cfg.block_size] for t in tables.values()
+                        for entry in t.values()), e.describe()
                     held[b] += 1
                 else:
                     table = tables.setdefault(e.request, {})

@@ -112,8 +112,9 @@ class EngineRecorder:
 
     def _events(self, pending, hold: Holdings, cur: Snapshot, slots, step: int) -> list[Event]:
         """The step's events in an order that replays: the engine's drops and hits as
-        published, then the jitted steps' work, then the forks, then the cache's new
-        references to blocks allocated in this step."""
+        published, then the jitted steps' work and the blocks it filled entering the cache,
+        then the forks, then whatever is left (the cache's references to blocks that a
+        sequence finished in this step let go of)."""
         out: list[Event] = []
         bs = cur.config.block_size
 
@@ -125,7 +126,7 @@ class EngineRecorder:
             for i, (b, tokens) in sorted(hold.entries.get(name, {}).items()):
                 add(kind, name, i, b, tokens, detail)
 
-        forks = []
+        forks, stored = [], []
         for e in pending:
             if isinstance(e, ev.Preempted):
                 drop_all("preempt", self.label(e.request_id, e.index), "preempted")
@@ -151,9 +152,15 @@ class EngineRecorder:
                     add("prefix_hit", name, i, b, bs, why)
                 self.counts["prefix_hit"] += 1
             elif isinstance(e, ev.BlockStored):
-                for b in e.block_ids:  # a block allocated in this step is entered below
-                    if hold.refs[b] > 0:
+                # A block full since the last step is entered now; one that this step's
+                # prefill or decode filled (or allocated), once that work is replayed.
+                for b in e.block_ids:
+                    if hold.refs[b] > 0 and any(
+                            entry == (b, bs) for t in hold.entries.values()
+                            for entry in t.values()):
                         add("share", None, None, b, bs, "entered in the prefix cache")
+                    else:
+                        stored.append(b)
             elif isinstance(e, ev.Forked):
                 forks.append(e)
         after = Holdings.of(cur)
@@ -164,6 +171,9 @@ class EngineRecorder:
         parents = Holdings({n: t for n, t in after.entries.items() if n not in kids},
                            list(hold.anon), list(after.refs), bs)
         out += self._diffed(hold, parents, step)
+        for b in stored:
+            if hold.refs[b] > 0 and hold.anon[b] < after.anon[b]:
+                add("share", None, None, b, bs, "entered in the prefix cache")
         for f in forks:
             parent = self.label(f.request_id, 0)
             for c in f.child_slots:
