@@ -171,12 +171,17 @@ def test_a_preempted_request_resumes_under_its_label_on_a_prefix_hit(run):
 
 
 def test_titles_and_summary_say_what_happened(run):
-    log, _ = run
+    log, seen = run
     titles = " | ".join(s.title for s in log.snapshots)
     for word in ("preempt", "prefix hit", "fork", "copy-on-write", "evict", "finished"):
         assert word in titles, word
-    c = count_kinds(log.events)
-    assert f"{c['fork'] and 1} fork" in log.scenario and "preemptions" in log.scenario
+    engine = collections.Counter(type(e).__name__ for e in seen)
+    # Evictions: the blocks BlockRemoved named, then every block the cache held when cleared.
+    evicted = sum(len(e.block_ids) for e in seen if isinstance(e, ev.BlockRemoved))
+    evicted += int(log.snapshots[-2].held.sum())
+    for count, what in ((engine["Preempted"], "preemption"), (engine["Forked"], "fork"),
+                        (evicted, "eviction")):
+        assert f" {count} {what}{'s' * (count != 1)}" in log.scenario, (what, log.scenario)
 
 
 def test_request_labels():

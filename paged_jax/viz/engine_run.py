@@ -24,7 +24,8 @@ import dataclasses
 from paged_jax.viz.engine_events import EngineRecorder
 from paged_jax.viz.log import RunLog
 
-__all__ = ["MODELS", "EngineScenario", "engine_run", "scenario_for"]
+__all__ = ["MODELS", "EngineScenario", "conversations", "engine_run", "scenario_for", "summary",
+           "tiny_prompts"]
 
 MODELS = ("smollm2", "tiny")
 
@@ -134,7 +135,11 @@ def summary(model: str, rec: EngineRecorder, stats, steps: int) -> str:
     """One line for the views' titles: what the engine did, from its stats and the log."""
     c = rec.counts
     name = "SmolLM2-135M-Instruct" if model == "smollm2" else "tiny random Llama"
-    return (f"engine, {name}: {steps} steps, {stats.preemptions} preemptions, "
-            f"{c['prefix_hit']} prefix hits ({stats.prefix_cache_hit_rate:.0%} of prompt "
-            f"tokens), {c['fork']} fork, {stats.copy_on_write_copies} copy-on-write, "
-            f"{c['evict']} evictions")
+
+    def n(count: int, what: str) -> str:
+        return f"{count} {what}{'s' * (count != 1)}"
+
+    return (f"engine, {name}: {n(steps, 'step')}, {n(stats.preemptions, 'preemption')}, "
+            f"{n(c['prefix_hit'], 'prefix hit')} ({stats.prefix_cache_hit_rate:.0%} of prompt "
+            f"tokens), {n(c['fork'], 'fork')}, {n(stats.copy_on_write_copies, 'copy-on-write')}"
+            f", {n(c['evict'], 'eviction')}")
