@@ -6,10 +6,9 @@
 
 With a question, the model's chat template is applied (``--raw`` skips it), the answer streams
 as it is decoded, stops at EOS, and tokens/s are printed at the end (``engine/text.py``).
-Without one, the prompts are token ids (``--prompt "1 2 3" --prompt "4 5"``, or random ones):
-all are prefilled in one ragged ``prefill`` call, each into its own sequence slot; then
-``decode_steps`` produces ``--steps-per-dispatch`` tokens per host round trip until
-``--max-new-tokens`` are out.
+Without one, the prompts are token ids (``--prompt "1 2 3" --prompt "4 5"``, or random ones),
+served together by ``LLM.generate``: a ragged prefill, then ``--steps-per-dispatch`` tokens
+per dispatch and host round trip until ``--max-new-tokens`` are out.
 
 In both modes ``--temperature`` (0 = greedy), ``--top-k`` and ``--top-p`` (``sampling.py``,
 applied in that order) and ``--seed`` pick every token, the first (from prefill) included.
@@ -21,14 +20,12 @@ import argparse
 import math
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from paged_jax.allocator import CacheConfig, init_state
-from paged_jax.engine import check_sampling, decode_steps, pad_prompts, prefill, sample
-from paged_jax.kvcache import init_cache, plan_blocks
+from paged_jax.engine import check_sampling
+from paged_jax.engine.llm import LLM
+from paged_jax.engine.params import SamplingParams
+from paged_jax.kvcache import plan_blocks
 from paged_jax.model import DEFAULT_MODEL, init_model, load_checkpoint
 from paged_jax.model.gguf import load_gguf, open_gguf
 from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
@@ -101,55 +98,36 @@ def main(argv=None) -> int:
     if args.text is not None:
         return _answer(args, model, source)
     cfg = model.config
-    graphdef, params = nnx.split(model)
-    params = nnx.to_pure_dict(params)  # cheaper for jit to flatten on every dispatch
     rng = np.random.default_rng(args.seed)
     if args.prompt:
-        prompts = [np.array([int(t) for t in p.split()], np.int32) for p in args.prompt]
+        prompts = [[int(t) for t in p.split()] for p in args.prompt]
     else:
-        prompts = [rng.integers(0, cfg.vocab_size, rng.integers(3, 20)).astype(np.int32)
+        prompts = [rng.integers(0, cfg.vocab_size, rng.integers(3, 20)).tolist()
                    for _ in range(args.num_prompts)]
-    lens = np.array([len(p) for p in prompts], np.int32)
-
-    # The first new token comes from prefill's logits; the rest from K-step dispatches.
-    k = args.steps_per_dispatch
-    dispatches = math.ceil(max(args.max_new_tokens - 1, 0) / k)
-    max_blocks = math.ceil((lens.max() + dispatches * k) / args.block_size)
-    cache = CacheConfig(num_blocks=len(prompts) * max_blocks, block_size=args.block_size,
-                        max_seqs=len(prompts), max_blocks_per_seq=max_blocks)
+    longest = max(map(len, prompts)) + args.max_new_tokens + args.steps_per_dispatch
+    max_blocks = math.ceil(longest / args.block_size)
+    llm = LLM.from_model(
+        model, None, block_size=args.block_size, num_blocks=len(prompts) * max_blocks,
+        max_num_seqs=len(prompts), max_model_len=max_blocks * args.block_size,
+        max_num_batched_tokens=max(16, 1 << (sum(map(len, prompts)) - 1).bit_length()),
+        steps_per_dispatch=args.steps_per_dispatch, seed=args.seed)
     plan = plan_blocks(cfg, memory_bytes=0, block_size=args.block_size)
+    cache = llm.engine.cache_config
     print(f"model: {cfg.architecture}, {cfg.num_layers} layers, {cfg.num_heads}/"
           f"{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}, {cfg.dtype}")
     print(f"cache: {cache.num_blocks} blocks of {cache.block_size} tokens, "
           f"{plan.bytes_per_block} bytes per block (all layers)")
-
-    kv, state = init_cache(cfg, cache), init_state(cache)
-    tokens = pad_prompts(prompts)
-    slots = jnp.arange(len(prompts), dtype=jnp.int32)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k or -1,
+                            top_p=args.top_p, max_tokens=args.max_new_tokens, seed=args.seed,
+                            ignore_eos=True)
     start = time.perf_counter()
-    logits, kv, state, status = prefill(graphdef, params, kv, state, jnp.asarray(tokens), slots,
-                                        jnp.asarray(lens))
-    status.raise_if_failed()
-    key = jax.random.key(args.seed)
-    key, sub = jax.random.split(key)
-    nxt = sample(logits, sub, args.temperature, args.top_k, args.top_p)
-    out = [np.asarray(nxt)[:, None]]
-    for _ in range(dispatches):
-        key, sub = jax.random.split(key)
-        toks, _, kv, state, status = decode_steps(graphdef, params, kv, state, nxt, sub,
-                                                  args.temperature, top_k=args.top_k,
-                                                  top_p=args.top_p, num_steps=k)
-        toks = jax.device_get(toks)  # one host round trip per dispatch
-        if toks.min() < 0:  # every row is active: -1 means the step did not run
-            status.raise_if_failed()
-        out.append(toks.T)
-        nxt = toks[-1]
-    generated = np.concatenate(out, axis=1)[:, : args.max_new_tokens]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    for i, p in enumerate(prompts):
-        print(f"[{i}] prompt {p.tolist()}")
-        print(f"    -> {generated[i].tolist()}")
-    print(f"{generated.size} tokens in {seconds:.2f}s (compilation included)")
+    for i, (p, out) in enumerate(zip(prompts, outputs, strict=True)):
+        print(f"[{i}] prompt {p}")
+        print(f"    -> {out.outputs[0].token_ids}")
+    total = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"{total} tokens in {seconds:.2f}s (compilation included)")
     return 0
 
 

@@ -1,9 +1,10 @@
-"""Text in, text out for one prompt: chat template, paged prefill, K-step decode to EOS.
+"""Text in, text out for one prompt: chat template, then ``LLMEngine`` to EOS.
 
-``answer(model, tokenizer, question)`` renders the chat template, prefills the prompt into a
-one-sequence pool, and decodes ``steps_per_dispatch`` tokens per dispatch, handing each
-dispatch's new text to ``on_text`` as it comes (streaming), until the model emits its EOS
-token or ``max_new_tokens`` are out. ``paged-jax generate "..."`` runs it.
+``answer(model, tokenizer, question)`` renders the chat template and serves the prompt
+through a one-slot ``LLMEngine``: the prompt is prefilled, then ``steps_per_dispatch``
+tokens are decoded per dispatch, and each dispatch's new text goes to ``on_text`` as it
+comes (streaming), until the model emits its EOS token or ``max_new_tokens`` are out.
+``paged-jax generate "..."`` runs it.
 """
 
 from __future__ import annotations
@@ -13,19 +14,13 @@ import math
 import time
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
-from paged_jax.allocator import CacheConfig, init_state
-from paged_jax.engine.sampling import check_sampling, sample
-from paged_jax.engine.steps import decode_steps, pad_prompts, prefill
-from paged_jax.kvcache import init_cache
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.engine.params import SamplingParams
+from paged_jax.engine.sampling import check_sampling
 from paged_jax.model.llama import Llama
 from paged_jax.model.tokenizer import Tokenizer
 
-PROMPT_BUCKET = 64  # tokens: prefill compiles once per multiple of this
+PROMPT_BUCKET = 64  # tokens: prefill compiles once per power of two from this up
 BLOCKS_BUCKET = 16  # blocks: the pool (and so the decode step) compiles once per multiple
 
 
@@ -69,10 +64,10 @@ def answer(
     """Answer ``prompt`` (a user message, put through the chat template unless ``raw``).
 
     Greedy at ``temperature == 0``, else sampled with ``seed`` at ``temperature``, ``top_k``
-    (0 = off) and ``top_p`` (1 = off), the first token as every later one
-    (``sampling.sample``). Raises ``ValueError`` for an empty prompt, a non-positive
-    ``max_new_tokens`` / ``steps_per_dispatch`` or a sampling parameter out of range
-    (``check_sampling``).
+    (0 = off) and ``top_p`` (1 = off): the token at position ``p`` is drawn with a key made
+    from ``(seed, p)``, as the engine draws every token. Raises ``ValueError`` for an empty
+    prompt, a non-positive ``max_new_tokens`` / ``steps_per_dispatch`` or a sampling
+    parameter out of range (``check_sampling``).
     """
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt must be a non-empty string. Got {prompt!r}.")
@@ -83,62 +78,40 @@ def answer(
     check_sampling(temperature, top_k, top_p)
     text = prompt if raw else tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     ids = tokenizer.encode(text, add_special_tokens=raw)
-    cfg = model.config
-    dispatches = math.ceil(max(max_new_tokens - 1, 0) / steps_per_dispatch)
-    # The prompt's width and the pool's size are rounded up to buckets, so that questions of
+    # The pool's size and the prefill's width are rounded up to buckets, so that questions of
     # other lengths reuse the compiled steps.
-    width = -(-len(ids) // PROMPT_BUCKET) * PROMPT_BUCKET
-    need = math.ceil((len(ids) + 1 + dispatches * steps_per_dispatch) / block_size)
-    max_blocks = -(-need // BLOCKS_BUCKET) * BLOCKS_BUCKET
-    cache = CacheConfig(num_blocks=max_blocks, block_size=block_size, max_seqs=1,
-                        max_blocks_per_seq=max_blocks)
-    graphdef, params = nnx.split(model)
-    params = nnx.to_pure_dict(params)  # cheaper for jit to flatten on every dispatch
-    kv, state = init_cache(cfg, cache), init_state(cache)
-    key = jax.random.key(seed)
+    need = math.ceil((len(ids) + max_new_tokens + steps_per_dispatch) / block_size)
+    blocks = -(-need // BLOCKS_BUCKET) * BLOCKS_BUCKET
+    width = max(PROMPT_BUCKET, 1 << (len(ids) - 1).bit_length())
+    engine = LLMEngine(model, tokenizer, block_size=block_size, num_blocks=blocks,
+                       max_num_seqs=1, max_model_len=blocks * block_size,
+                       max_num_batched_tokens=width, steps_per_dispatch=steps_per_dispatch,
+                       enable_prefix_caching=False, seed=seed)
+    engine.add_request("answer", ids, SamplingParams(
+        temperature=temperature, top_k=top_k or -1, top_p=top_p, max_tokens=max_new_tokens,
+        seed=seed))
 
     start = time.perf_counter()
-    logits, kv, state, status = prefill(graphdef, params, kv, state, pad_prompts([ids], width),
-                                        jnp.array([0]), jnp.array([len(ids)]))
-    status.raise_if_failed()
-    key, sub = jax.random.split(key)
-    nxt = sample(logits, sub, temperature, top_k, top_p)
-    out = [int(nxt[0])]
-    first = time.perf_counter() - start
+    first = None
     shown = ""
-
-    def stream():
-        nonlocal shown
-        body = out[:-1] if out[-1] == tokenizer.eos_token_id else out
-        now = tokenizer.decode(body)
-        # A partial UTF-8 sequence decodes to U+FFFD until its last byte arrives: hold it.
-        stable = now.rstrip("\ufffd")
-        if on_text is not None and stable.startswith(shown) and len(stable) > len(shown):
-            on_text(stable[len(shown):])
-            shown = stable
-
-    stream()
     steady_start = steady_from = None  # time and token count after the first dispatch
-    while out[-1] != tokenizer.eos_token_id and len(out) < max_new_tokens:
-        if steady_start is None and len(out) > 1:
-            steady_start, steady_from = time.perf_counter(), len(out)
-        key, sub = jax.random.split(key)
-        toks, _, kv, state, status = decode_steps(graphdef, params, kv, state, nxt, sub,
-                                                  temperature, top_k=top_k, top_p=top_p,
-                                                  num_steps=steps_per_dispatch)
-        toks = np.asarray(jax.device_get(toks))[:, 0]  # one host round trip per dispatch
-        if toks.min() < 0:
-            status.raise_if_failed()
-        for t in toks.tolist():
-            out.append(int(t))
-            if t == tokenizer.eos_token_id or len(out) == max_new_tokens:
-                break
-        stream()
-        nxt = jnp.asarray(toks[-1:], jnp.int32)
+    out = None
+    while engine.has_unfinished_requests():
+        count = 0 if out is None else len(out.outputs[0].token_ids)
+        if steady_start is None and count > 1:
+            steady_start, steady_from = time.perf_counter(), count
+        for out in engine.step():
+            if first is None:
+                first = time.perf_counter() - start
+            # A partial UTF-8 sequence decodes to U+FFFD until its last byte arrives: hold it.
+            stable = out.outputs[0].text.rstrip("\ufffd")
+            if on_text is not None and stable.startswith(shown) and len(stable) > len(shown):
+                on_text(stable[len(shown):])
+                shown = stable
     end = time.perf_counter()
-    total = end - start
-    steady = (0, 0.0) if steady_start is None else (len(out) - steady_from, end - steady_start)
-    eos = out[-1] == tokenizer.eos_token_id
-    body = out[:-1] if eos else out
-    return Answer(prompt_ids=list(ids), token_ids=out, text=tokenizer.decode(body),
-                  stopped_at_eos=eos, first_token_s=first, total_s=total, steady=steady)
+    c = out.outputs[0]
+    steady = ((0, 0.0) if steady_start is None
+              else (len(c.token_ids) - steady_from, end - steady_start))
+    eos = c.finish_reason == "stop"
+    return Answer(prompt_ids=list(ids), token_ids=list(c.token_ids), text=c.text,
+                  stopped_at_eos=eos, first_token_s=first, total_s=end - start, steady=steady)
