@@ -195,8 +195,8 @@ def test_cli_routes_the_model_and_writes_the_views(tmp_path, monkeypatch, run):
     log, _ = run
     calls = []
 
-    def fake(model="smollm2", seed=0):
-        calls.append((model, seed))
+    def fake(model="smollm2", seed=0, progress=False):
+        calls.append((model, seed, progress))
         return log
 
     monkeypatch.setattr("paged_jax.viz.engine_run.engine_run", fake)
@@ -204,7 +204,7 @@ def test_cli_routes_the_model_and_writes_the_views(tmp_path, monkeypatch, run):
     assert main(["--scenario", "engine", "--model", "tiny", "--out", str(out), "--no-gif",
                  "--quiet"]) == 0
     assert record("engine") is log  # the default model is SmolLM2
-    assert calls == [("tiny", 0), ("smollm2", 0)]
+    assert calls == [("tiny", 0, False), ("smollm2", 0, False)]  # --quiet: no progress bar
     for name in ("run.json", "layout.txt", "layout.html", "trace.json", "timeline.png",
                  "curves.png"):
         assert (out / name).stat().st_size > 0

@@ -49,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def record(scenario: str, steps: int = 40, seed: int = 0, blocks: int | None = None,
-           requests: int | None = None, model: str | None = None):
+           requests: int | None = None, model: str | None = None, progress: bool = False):
     """The ``RunLog`` of ``scenario``; ``steps``, ``blocks`` and ``requests`` shape ``random``,
-    ``model`` (``"smollm2"``, the default, or ``"tiny"``) is what ``engine`` serves."""
+    ``model`` (``"smollm2"``, the default, or ``"tiny"``) is what ``engine`` serves, with a
+    progress bar if ``progress``."""
     from paged_jax.viz import scenarios
 
     if scenario != "random" and (blocks is not None or requests is not None):
@@ -62,7 +63,7 @@ def record(scenario: str, steps: int = 40, seed: int = 0, blocks: int | None = N
     if scenario == "engine":
         from paged_jax.viz import engine_run
 
-        return engine_run.engine_run(model=model or "smollm2", seed=seed)
+        return engine_run.engine_run(model=model or "smollm2", seed=seed, progress=progress)
     if scenario == "random":
         return scenarios.random_run(steps=steps, seed=seed, num_blocks=blocks,
                                     num_requests=requests)
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             log = record(args.scenario, args.steps, args.seed, args.blocks, args.requests,
-                         args.model)
+                         args.model, progress=not args.quiet)
         except ValueError as err:
             print(f"paged-jax viz: {err}", file=sys.stderr)
             return 2

@@ -97,13 +97,13 @@ def tiny_prompts(seed: int, vocab: int) -> list[list[int]]:
 
 
 def engine_run(model: str = "smollm2", seed: int = 0, *, debug: bool = False,
-               reset_cache: bool = False, listeners=()) -> RunLog:
+               reset_cache: bool = False, listeners=(), progress: bool = False) -> RunLog:
     """Record the run in the module docstring; ``model`` is ``"smollm2"`` or ``"tiny"``.
 
     ``seed`` picks the tiny model's weights and prompts; ``debug`` checks the engine's
     invariants after every step; ``reset_cache`` empties the prefix cache at the end, as one
     more step (every block is then free); ``listeners`` also receive every engine event
-    (after the recorder)."""
+    (after the recorder); ``progress`` shows ``generate``'s progress bar."""
     from paged_jax.engine.llm import LLM, load_model
 
     shape = scenario_for(model)
@@ -119,10 +119,10 @@ def engine_run(model: str = "smollm2", seed: int = 0, *, debug: bool = False,
         llm.engine.add_listener(listener)
     if model == "tiny":
         prompts = tiny_prompts(seed, weights.config.vocab_size)
-        llm.generate(prompts, _params(len(prompts), shape.max_tokens), use_tqdm=False)
+        llm.generate(prompts, _params(len(prompts), shape.max_tokens), use_tqdm=progress)
     else:
         convs = conversations()
-        llm.chat(convs, _params(len(convs), shape.max_tokens), use_tqdm=False)
+        llm.chat(convs, _params(len(convs), shape.max_tokens), use_tqdm=progress)
     if reset_cache:
         llm.engine.reset_prefix_cache()
         rec.flush("the prefix cache is cleared: every block is free")
