@@ -80,8 +80,15 @@ def test_greedy_outputs_equal_the_dense_reference(model, reference, kwargs):
     assert token_ids(outs) == [[reference(p, 12)] for p in prompts]
     for o in outs:
         assert o.finished and o.outputs[0].finish_reason == "length"
-        assert o.metrics.ttft is not None and o.metrics.e2e >= o.metrics.ttft
+        m = o.metrics
+        assert 0 <= m.ttft <= m.e2e and len(m.token_times) == 12 and len(m.itl) == 11
+        assert m.tpot == pytest.approx((m.token_times[-1] - m.token_times[0]) / 11)
     stats = llm.stats()
+    assert stats.finished == len(prompts)
+    # Only full cached blocks are left: no internal fragmentation.
+    assert stats.token_occupancy * stats.blocks_total == stats.blocks_cached
+    assert stats.block_occupancy * stats.blocks_total == stats.blocks_cached
+    assert stats.median_ttft == pytest.approx(np.median([o.metrics.ttft for o in outs]))
     if kwargs.get("num_blocks", 64) < 16:
         assert stats.preemptions > 0  # the small pools really preempt
     # Nothing is left held but the prefix cache's blocks.
@@ -205,6 +212,12 @@ def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model):
         chunks += 1
         assert {"s0", "s1"} <= outs
     assert chunks == -(-200 // 32)
+    # Mid-run: the three sequences' tokens over their blocks (and the cached full ones).
+    stats = eng.stats()
+    lens = [s.cached for s in eng.scheduler.running]
+    assert stats.blocks_used == sum(-(-n // 8) for n in lens)  # nothing shared here
+    assert stats.token_occupancy == pytest.approx(sum(lens) / (96 * 8))
+    assert stats.block_occupancy > stats.token_occupancy
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.request_id == "long" and o.finished:

@@ -72,6 +72,10 @@ def prefill_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[tupl
     return [(r, w) for r in rows for w in widths]
 
 
+def _median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
 def _stop_at(text: str, stops) -> int | None:
     """Where the first of ``stops`` begins in ``text``, or None."""
     found = [i for i in (text.find(x) for x in stops) if i >= 0]
@@ -123,6 +127,11 @@ class EngineStats:
     prefix_cache_hit_rate: float
     copy_on_write_copies: int
     prefill_executables: int
+    finished: int = 0  # requests finished so far; the medians below are over them (seconds)
+    median_ttft: float | None = None
+    median_tpot: float | None = None
+    median_itl: float | None = None
+    median_e2e: float | None = None
 
 
 class LLMEngine:
@@ -203,6 +212,8 @@ class LLMEngine:
         self.listeners: list = []
         self.steps_run = 0
         self._tables_of, self._tables_host = None, None
+        # (request id, RequestMetrics) of every finished request, in finishing order.
+        self.finished_metrics: list[tuple[str, RequestMetrics]] = []
 
     def add_listener(self, listener) -> None:
         """Call ``listener(event)`` with every event (``paged_jax.engine.events``): the KV
@@ -391,6 +402,7 @@ class LLMEngine:
         for req in touched.values():  # a finished request is reported once, then forgotten
             if req.finished:
                 del self.requests[req.request_id]
+                self.finished_metrics.append((req.request_id, req.metrics))
         return outputs
 
     def _evict_for(self, plan: Plan) -> None:
@@ -708,7 +720,15 @@ class LLMEngine:
         cfg = self.cache_config
         running = self.scheduler.running
         used = int(cfg.num_blocks - num_free)
-        tokens = sum(s.cached for s in running)
+        # Tokens in the used blocks: a shared block counts once, with its fullest holder's
+        # count; a block only the prefix cache holds is full.
+        tables, bs = self._tables(), cfg.block_size
+        fill = {b: bs for b in self.prefix_cache.blocks()}
+        for s in running:
+            row = tables[s.slot]
+            for j, b in enumerate(row[row >= 0].tolist()):
+                fill[b] = max(fill.get(b, 0), min(bs, max(s.cached - j * bs, 0)))
+        tokens = sum(fill.values())
         return EngineStats(
             running=len(running), waiting=len(self.scheduler.waiting),
             preemptions=self.scheduler.num_preemptions, blocks_total=cfg.num_blocks,
@@ -718,4 +738,13 @@ class LLMEngine:
             token_occupancy=tokens / (cfg.num_blocks * cfg.block_size),
             prefix_cache_hit_rate=self.prefix_cache.hit_rate,
             copy_on_write_copies=self._cow_copies,
-            prefill_executables=len(self._prefill_shapes))
+            prefill_executables=len(self._prefill_shapes),
+            finished=len(self.finished_metrics),
+            **{f"median_{name}": _median(values) for name, values in self._latencies().items()})
+
+    def _latencies(self) -> dict[str, list[float]]:
+        ms = [m for _, m in self.finished_metrics]
+        return {"ttft": [m.ttft for m in ms if m.ttft is not None],
+                "tpot": [m.tpot for m in ms if m.tpot is not None],
+                "itl": [gap for m in ms for gap in m.itl],
+                "e2e": [m.e2e for m in ms if m.e2e is not None]}
