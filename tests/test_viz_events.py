@@ -18,7 +18,7 @@ NAMES = ("seed", "prefix-sharing", "fork-cow", "random", "engine")
 @pytest.fixture(scope="module")
 def logs():
     out = {name: scenarios.SCENARIOS[name]() for name in NAMES if name != "engine"}
-    out["engine"] = engine_run()
+    out["engine"] = engine_run("tiny")
     return out
 
 
@@ -56,12 +56,11 @@ def test_each_table_block_carries_its_requests_letter(logs, name):
         assert set(key.values()) <= set(snap.requests()), t
 
 
-def test_the_engine_picture_names_a2_and_c_as_the_tables_do(logs):
+def test_the_engine_picture_names_b1_as_the_tables_do(logs):
     log = logs["engine"]
-    text = terminal.render_step(log, 5)  # A copied its block; A2 kept block 1
-    assert "[*][a][B][B][A]" in text and "Key: a = A2" in text
-    later = terminal.render_picture(log, log.num_steps - 1)
-    assert "[C]" in later and "[D]" not in later
+    text = terminal.render_step(log, 3)  # B copied its shared block 5 to 11; B1 kept block 5
+    assert "[A][A][A][*][*][b][#][ ][A][B][b][B]" in text and "Key: b = B1" in text
+    assert "[A]" not in terminal.render_picture(log, log.num_steps - 1)
 
 
 @pytest.mark.parametrize("name", NAMES)
