@@ -375,6 +375,58 @@ def prefill_rows(graphdef, params, prompts, slots, cache=CACHE):
     return kv, state, first
 
 
+def test_steps_object_equals_the_module_functions(split_model):
+    """``Steps(graphdef)``'s methods are the module functions with the graph bound: the same
+    tokens, logits and state for prefill, decode_step and decode_steps (greedy; sampled with
+    no key, which draws with ``jax.random.key(0)`` in both; with per-row budgets, stop ids and
+    seeds). A bad ``hoist_max_bytes`` is refused at construction."""
+    graphdef, params = split_model
+    runner = Steps(graphdef)
+    prompts, slots = prompts_of([4, 9], seed=21), np.array([0, 2], np.int32)
+    width = jnp.asarray(pad_prompts(prompts))
+    rows = dict(budgets=np.array([3, 0, 2, 0], np.int32),
+                stop_ids=np.full((4, 1), -1, np.int32), seeds=np.array([7, 0, 9, 0], np.int32))
+
+    def run(prefill_fn, step_fn, steps_fn):
+        kv, state = init_cache(TINY, CACHE), init_state(CACHE)
+        logits, kv, state, status = prefill_fn(params, kv, state, width, jnp.asarray(slots),
+                                               jnp.array([4, 9]))
+        status.raise_if_failed()
+        first = jnp.zeros(4, jnp.int32).at[slots].set(jnp.argmax(logits, -1).astype(jnp.int32))
+        out = [np.asarray(logits)]
+        step_logits, kv, state, status = step_fn(params, kv, state, first)
+        status.raise_if_failed()
+        out.append(np.asarray(step_logits))
+        for kwargs in (dict(), dict(temperature=3.0), dict(key=jax.random.key(0),
+                                                           temperature=3.0),
+                       dict(temperature=3.0, **rows)):
+            toks, lg, kv, state, status = steps_fn(params, kv, state, first, num_steps=3,
+                                                   return_logits=True, **kwargs)
+            status.raise_if_failed()
+            out += [np.asarray(toks), np.asarray(lg)]
+        return out + [np.asarray(state.seq_lens), np.asarray(state.block_tables)]
+
+    def bind(f):
+        return lambda *a, **k: f(graphdef, *a, **k)
+
+    got = run(runner.prefill, runner.decode_step, runner.decode_steps)
+    want = run(bind(prefill), bind(decode_step), bind(decode_steps))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=0)
+    # The keyless draw is key(0)'s: the second and third dispatches start from different
+    # states, so compare a keyless and a key(0) dispatch from one state.
+    kv, state = init_cache(TINY, CACHE), init_state(CACHE)
+    _, kv, state, _ = runner.prefill(params, kv, state, width, jnp.asarray(slots),
+                                     jnp.array([4, 9]))
+    first = jnp.ones(4, jnp.int32)
+    copy = jax.tree.map(jnp.copy, (kv, state))
+    keyless = runner.decode_steps(params, kv, state, first, None, 3.0, num_steps=4)[0]
+    keyed = decode_steps(graphdef, params, *copy, first, jax.random.key(0), 3.0, num_steps=4)[0]
+    np.testing.assert_array_equal(np.asarray(keyless), np.asarray(keyed))
+    with pytest.raises(ValueError, match=r"hoist_max_bytes must be an int >= 0\. Got -1\."):
+        Steps(graphdef, hoist_max_bytes=-1)
+
+
 @pytest.mark.parametrize("num_steps", [1, 5, 9])
 def test_rows_stop_inside_the_dispatch_at_their_budget_or_stop_id(split_model, num_steps):
     """Per-row budgets and stop ids against the unrestricted run: each row emits the same

@@ -1,9 +1,10 @@
 """The serving steps (prefill, decode), next-token sampling and the decode benchmark."""
 
 from paged_jax.engine.sampling import check_sampling, filtered_logits, sample
-from paged_jax.engine.steps import decode_step, decode_steps, pad_prompts, prefill
+from paged_jax.engine.steps import Steps, decode_step, decode_steps, pad_prompts, prefill
 
 __all__ = [
+    "Steps",
     "check_sampling",
     "decode_step",
     "decode_steps",
