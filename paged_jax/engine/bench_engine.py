@@ -28,7 +28,7 @@ import numpy as np
 from paged_jax.engine.llm import load_model
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.params import SamplingParams
-from paged_jax.engine.steps import decode_steps, pad_prompts, prefill
+from paged_jax.engine.steps import pad_prompts
 
 GOAL = 1.10
 QUESTIONS = (
@@ -75,14 +75,14 @@ def run_raw(engine: LLMEngine, prompts, tokens: int, k: int) -> float:
     lens = np.zeros(rows, np.int32)
     lens[: len(prompts)] = [len(p) for p in prompts]
     start = time.perf_counter()
-    logits, kv, state, status = prefill(engine.graphdef, engine.params, kv, state, padded,
-                                        slots, lens)
+    steps = engine.steps  # the same compiled model work as the engine's
+    logits, kv, state, status = steps.prefill(engine.params, kv, state, padded, slots, lens)
     status.raise_if_failed()
     nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     np.asarray(nxt)
     for _ in range(tokens // k):
-        toks, _, kv, state, status = decode_steps(engine.graphdef, engine.params, kv, state, nxt,
-                                                  num_steps=k)
+        toks, _, kv, state, status = steps.decode_steps(engine.params, kv, state, nxt,
+                                                        num_steps=k)
         np.asarray(jax.device_get(toks))
         nxt = toks[-1]
     status.raise_if_failed()

@@ -1,8 +1,9 @@
 """``LLMEngine``: continuous batching over the jitted steps, one object owning the compiled work.
 
-The engine holds the model as ``(graphdef, params)``, the paged ``KVCache``, the allocator's
-``BlockState``, the jitted allocator ops it applies between dispatches, the ``Scheduler``
-and the ``PrefixCache``. Each ``step()`` runs one iteration of the scheduler's plan:
+The engine holds the model as ``(graphdef, params)`` and its ``Steps`` (the jitted prefill
+and decode, built once), the paged ``KVCache``, the allocator's ``BlockState``, the jitted
+allocator ops it applies between dispatches, the ``Scheduler`` and the ``PrefixCache``.
+Each ``step()`` runs one iteration of the scheduler's plan:
 
 1. release the slots of preempted sequences;
 2. evict cached blocks the iteration needs (least recently used first);
@@ -50,7 +51,7 @@ from paged_jax.engine.params import CompletionOutput, RequestMetrics, RequestOut
 from paged_jax.engine.prefix_cache import ROOT, Lookup, PrefixCache
 from paged_jax.engine.sampling import row_keys, sample
 from paged_jax.engine.scheduler import Plan, Scheduler, Sequence
-from paged_jax.engine.steps import decode_steps, prefill
+from paged_jax.engine.steps import Steps
 from paged_jax.kvcache import init_cache, plan_blocks
 from paged_jax.model.llama import Llama
 
@@ -186,6 +187,7 @@ class LLMEngine:
 
         graphdef, params = nnx.split(model)
         self.graphdef, self.params = graphdef, nnx.to_pure_dict(params)
+        self.steps = Steps(graphdef)  # the model's jitted prefill and decode
         self.kv = init_cache(model.config, self.cache_config)
         self.state = init_state(self.cache_config)
         # The allocator ops applied between dispatches, jitted once for this engine; the
@@ -459,8 +461,8 @@ class LLMEngine:
             tokens[i, :length] = s.target[start:start + length]
             slots[i], lens[i] = s.slot, length
         extend = slots >= 0  # every real row continues its (possibly empty) active slot
-        logits, self.kv, self.state, status = prefill(
-            self.graphdef, self.params, self.kv, self.state, tokens, slots, lens, extend)
+        logits, self.kv, self.state, status = self.steps.prefill(
+            self.params, self.kv, self.state, tokens, slots, lens, extend)
         status.raise_if_failed()
         done = []
         for i, (s, start, length) in enumerate(rows):
@@ -556,8 +558,8 @@ class LLMEngine:
             stop_ids[r, : len(ids)] = ids
         sampled = bool(temps.any())
         filtered = sampled and bool((top_k > 0).any() or (top_p < 1).any())
-        toks, _, self.kv, self.state, status = decode_steps(
-            self.graphdef, self.params, self.kv, self.state, tokens, None,
+        toks, _, self.kv, self.state, status = self.steps.decode_steps(
+            self.params, self.kv, self.state, tokens, None,
             temps if sampled else 0.0, top_k=top_k if filtered else 0,
             top_p=top_p if filtered else 1.0, num_steps=self.steps_per_dispatch,
             impl=self.impl, budgets=budgets, stop_ids=stop_ids,
