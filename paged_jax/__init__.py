@@ -9,7 +9,7 @@ Flax NNX Llama and checkpoint loading), ``engine`` (jitted prefill and decode st
 
 from paged_jax import allocator
 from paged_jax.allocator import *  # noqa: F403  (the allocator's public names, see its __all__)
-from paged_jax.engine import decode_step, decode_steps, prefill
+from paged_jax.engine import Steps, decode_step, decode_steps, prefill
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.params import CompletionOutput, RequestOutput, SamplingParams
@@ -42,6 +42,7 @@ __all__ = [
     "RopeScaling",
     "RunLog",
     "SamplingParams",
+    "Steps",
     "decode_step",
     "decode_steps",
     "init_cache",
