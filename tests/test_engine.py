@@ -16,10 +16,14 @@ from flax import nnx
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.llm_engine import LLMEngine, prefill_buckets
 from paged_jax.engine.params import SamplingParams
+from paged_jax.engine.steps import Steps
 from paged_jax.model import init_model
 from tests.model_helpers import DENSE_LEN, TINY, dense_logits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+# Most engines here share two pool shapes (64 blocks, or SMALL to force preemption), so that
+# they share their compiled steps.
+SMALL = 12
 LENS = (5, 17, 9, 30, 3, 21)
 
 
@@ -32,6 +36,12 @@ def _exact_matmuls():
 @pytest.fixture(scope="module")
 def model():
     return init_model(TINY, seed=3)
+
+
+@pytest.fixture(scope="module")
+def steps(model):
+    """One compiled Steps for every engine here: engines of equal shapes share executables."""
+    return Steps(nnx.split(model)[0])
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +67,9 @@ def prompts_of(lens, seed=0, vocab=TINY.vocab_size):
     return [rng.integers(0, vocab, n).tolist() for n in lens]
 
 
-def engine(model, **kwargs) -> LLM:
+def engine(model, steps, **kwargs) -> LLM:
     opts = dict(block_size=8, max_num_seqs=4, max_model_len=DENSE_LEN, num_blocks=64,
-                max_num_batched_tokens=32, debug=True)
+                max_num_batched_tokens=32, debug=True, steps=steps)
     return LLM.from_model(model, None, **{**opts, **kwargs})
 
 
@@ -69,13 +79,13 @@ def token_ids(outputs):
 
 @pytest.mark.parametrize("kwargs", [
     dict(),
-    dict(num_blocks=8, steps_per_dispatch=3),  # small: preempts
+    dict(num_blocks=SMALL, steps_per_dispatch=3),  # preempts
     dict(enable_prefix_caching=False, steps_per_dispatch=1),
-    dict(num_blocks=10, enable_prefix_caching=False),
+    dict(num_blocks=SMALL, steps_per_dispatch=3, enable_prefix_caching=False),
 ])
-def test_greedy_outputs_equal_the_dense_reference(model, reference, kwargs):
+def test_greedy_outputs_equal_the_dense_reference(model, steps, reference, kwargs):
     prompts = prompts_of(LENS)
-    llm = engine(model, **kwargs)
+    llm = engine(model, steps, **kwargs)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert token_ids(outs) == [[reference(p, 12)] for p in prompts]
     for o in outs:
@@ -97,20 +107,20 @@ def test_greedy_outputs_equal_the_dense_reference(model, reference, kwargs):
     assert (stats.blocks_cached > 0) == llm.engine.enable_prefix_caching
 
 
-def test_one_request_at_a_time_gives_the_same_outputs(model, reference):
-    llm = engine(model)
+def test_one_request_at_a_time_gives_the_same_outputs(model, steps, reference):
+    llm = engine(model, steps)
     for p in prompts_of(LENS[:3], seed=4):
         (out,) = llm.generate([p], GREEDY, use_tqdm=False)
         assert out.outputs[0].token_ids == reference(p, 12)
 
 
-def test_shared_prefixes_hit_the_cache_and_prefill_only_the_rest(model, reference):
+def test_shared_prefixes_hit_the_cache_and_prefill_only_the_rest(model, steps, reference):
     """Prompts sharing a 24-token prefix (3 blocks): later ones start on the cached blocks,
     and each lookup says why it stopped."""
     (prefix,) = prompts_of([24], seed=9)
     tails = prompts_of([5, 8, 3], seed=10)
     prompts = [prefix + t for t in tails]
-    llm = engine(model)
+    llm = engine(model, steps)
     first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
     assert token_ids(first + rest) == [[reference(p, 12)] for p in prompts]
@@ -121,40 +131,40 @@ def test_shared_prefixes_hit_the_cache_and_prefill_only_the_rest(model, referenc
     assert llm.stats().prefix_cache_hit_rate > 0.5
 
 
-def test_n3_greedy_completions_are_equal_and_sampled_ones_differ_reproducibly(model,
+def test_n3_greedy_completions_are_equal_and_sampled_ones_differ_reproducibly(model, steps,
                                                                               reference):
     (p,) = prompts_of([13], seed=5)
-    llm = engine(model)
+    llm = engine(model, steps)
     (out,) = llm.generate([p], SamplingParams(n=3, temperature=0.0, max_tokens=12),
                           use_tqdm=False)
     assert [c.token_ids for c in out.outputs] == [reference(p, 12)] * 3
     assert [c.index for c in out.outputs] == [0, 1, 2]
     hot = SamplingParams(n=3, temperature=5.0, max_tokens=10, seed=11)
     (a,) = llm.generate([p], hot, use_tqdm=False)
-    (b,) = engine(model, num_blocks=40).generate([p], hot, use_tqdm=False)
+    (b,) = engine(model, steps).generate([p], hot, use_tqdm=False)  # a fresh engine
     runs = [[c.token_ids for c in a.outputs], [c.token_ids for c in b.outputs]]
     assert runs[0] == runs[1]
     assert len({tuple(t) for t in runs[0]}) == 3
     assert llm.stats().copy_on_write_copies > 0  # the forks copied their shared last block
 
 
-def test_seeded_sampling_does_not_depend_on_what_else_is_batched(model):
+def test_seeded_sampling_does_not_depend_on_what_else_is_batched(model, steps):
     a, b, c = prompts_of([7, 12, 20], seed=6)
     hot = SamplingParams(temperature=2.0, top_k=50, top_p=0.9, max_tokens=10, seed=3)
-    alone = engine(model).generate([a], hot, use_tqdm=False)[0].outputs[0].token_ids
-    crowd = engine(model, steps_per_dispatch=3).generate(
+    alone = engine(model, steps).generate([a], hot, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = engine(model, steps, steps_per_dispatch=3).generate(
         [b, c, a], [SamplingParams(temperature=1.0, max_tokens=8, seed=1), GREEDY, hot],
         use_tqdm=False)
     assert crowd[2].outputs[0].token_ids == alone
 
 
 @pytest.mark.parametrize("k", [3, 8])
-def test_stops_inside_the_dispatch_equal_k1(model, reference, k):
+def test_stops_inside_the_dispatch_equal_k1(model, steps, reference, k):
     prompts = prompts_of(LENS[:4], seed=7)
     # Stop on the 4th greedy token of the first prompt, wherever it turns up.
     stop_id = reference(prompts[0], 12)[3]
     params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id])
-    runs = [token_ids(engine(model, steps_per_dispatch=kk).generate(prompts, params,
+    runs = [token_ids(engine(model, steps, steps_per_dispatch=kk).generate(prompts, params,
                                                                     use_tqdm=False))
             for kk in (1, k)]
     assert runs[0] == runs[1]
@@ -175,7 +185,7 @@ class ByteTokenizer:
         return bytes(i for i in ids if i != 0).decode("latin-1")
 
 
-def test_stop_strings_cut_the_text_and_the_tokens_after_them(model, reference):
+def test_stop_strings_cut_the_text_and_the_tokens_after_them(model, steps, reference):
     graphdef, params = nnx.split(model)
     prompt = "The sea "
     ids = ByteTokenizer().encode(prompt)
@@ -183,7 +193,7 @@ def test_stop_strings_cut_the_text_and_the_tokens_after_them(model, reference):
     text = ByteTokenizer().decode(greedy)
     stop = text[4:6]
     at = text.find(stop)
-    llm = LLM.from_model(model, ByteTokenizer(), block_size=8, max_num_seqs=4,
+    llm = LLM.from_model(model, ByteTokenizer(), steps=steps, block_size=8, max_num_seqs=4,
                          max_model_len=DENSE_LEN, num_blocks=64, debug=True)
     (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]),
                           use_tqdm=False)
@@ -194,13 +204,13 @@ def test_stop_strings_cut_the_text_and_the_tokens_after_them(model, reference):
     assert out.prompt == prompt and out.prompt_token_ids == ids
 
 
-def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model):
-    """A 200-token prompt with 32-token chunks arrives while two requests decode: every
+def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model, steps):
+    """A 120-token prompt with 32-token chunks arrives while two requests decode: every
     iteration of its prefill, both still get tokens. Its output equals an unchunked run's."""
     short = prompts_of([4, 6], seed=12)
-    (long,) = prompts_of([200], seed=13)
+    (long,) = prompts_of([120], seed=13)
     opts = dict(block_size=8, max_num_seqs=4, max_model_len=256, num_blocks=96, debug=True)
-    eng = LLMEngine(model, **opts, max_num_batched_tokens=32)
+    eng = LLMEngine(model, steps=steps, **opts, max_num_batched_tokens=32)
     params = SamplingParams(temperature=0.0, max_tokens=120)  # decoding all along
     for i, p in enumerate(short):
         eng.add_request(f"s{i}", p, params)
@@ -211,7 +221,7 @@ def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model):
         outs = {o.request_id for o in eng.step()}
         chunks += 1
         assert {"s0", "s1"} <= outs
-    assert chunks == -(-200 // 32)
+    assert chunks == -(-120 // 32)
     # Mid-run: the three sequences' tokens over their blocks (and the cached full ones).
     stats = eng.stats()
     lens = [s.cached for s in eng.scheduler.running]
@@ -222,7 +232,7 @@ def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model):
         for o in eng.step():
             if o.request_id == "long" and o.finished:
                 chunked = o.outputs[0].token_ids
-    whole = LLMEngine(model, **opts, max_num_batched_tokens=256)
+    whole = LLMEngine(model, steps=steps, **opts, max_num_batched_tokens=128)
     whole.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=4))
     while whole.has_unfinished_requests():
         for o in whole.step():
@@ -230,7 +240,7 @@ def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model):
     assert chunked == unchunked
 
 
-def test_compilations_are_bounded_over_a_sharegpt_like_mix(model):
+def test_compilations_are_bounded_over_a_sharegpt_like_mix(model, steps):
     """Prompt lengths 1..1024 (log-uniform, as ShareGPT's): the prefill executables compiled
     (jax's own compile log) stay within the stated bound."""
     rng = np.random.default_rng(0)
@@ -244,26 +254,28 @@ def test_compilations_are_bounded_over_a_sharegpt_like_mix(model):
 
     handler, log = Count(), logging.getLogger("jax")
     log.addHandler(handler)
-    llm = LLM.from_model(model, None, block_size=16, max_num_seqs=2, max_model_len=1040,
-                         num_blocks=140, max_num_batched_tokens=256)
+    llm = LLM.from_model(model, None, steps=steps, block_size=16, max_num_seqs=2,
+                         max_model_len=1040,
+                         num_blocks=140, max_num_batched_tokens=128)
     try:
         with jax.log_compiles(True):
             llm.generate([[1 + i % 7] * int(n) for i, n in enumerate(lens)],
                          SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     finally:
         log.removeHandler(handler)
-    bound = len(prefill_buckets(2, 256))
-    assert bound == 2 * 5  # rows 1, 2; widths 16, 32, 64, 128, 256
+    bound = len(prefill_buckets(2, 128))
+    assert bound == 2 * 4  # rows 1, 2; widths 16, 32, 64, 128
     assert 1 <= len(compiled) <= llm.stats().prefill_executables <= bound
 
 
-def test_random_requests_with_aborts_leak_nothing(model):
+def test_random_requests_with_aborts_leak_nothing(model, steps):
     """500 random requests (lengths, n, sampling, aborts) on a tight pool, invariants and
     the host's view checked after every step (debug); afterwards every block is free or
     cached, and every request that was not aborted finished with 1..max_tokens tokens."""
     rng = np.random.default_rng(1)
-    eng = LLMEngine(model, block_size=8, max_num_seqs=4, max_model_len=64, num_blocks=24,
-                    max_num_batched_tokens=32, steps_per_dispatch=4, debug=True)
+    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=4, max_model_len=64,
+                    num_blocks=SMALL,
+                    max_num_batched_tokens=32, steps_per_dispatch=3, debug=True)
     live, made, limits = set(), 0, {}
     while made < 500:
         for _ in range(min(int(rng.integers(0, 3)), 500 - made)):  # up to two per step
@@ -295,9 +307,12 @@ def test_random_requests_with_aborts_leak_nothing(model):
     eng.check()
 
 
-def test_bad_requests_are_refused_and_change_nothing(model, reference):
-    eng = LLMEngine(model, block_size=8, max_num_seqs=4, max_model_len=64, num_blocks=10,
-                    debug=True)
+def test_bad_requests_are_refused_and_change_nothing(model, steps, reference):
+    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=4, max_model_len=64,
+                    num_blocks=SMALL,
+                    max_num_batched_tokens=32, steps_per_dispatch=3, debug=True)
+    tiny_pool = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=4, max_model_len=64,
+                          num_blocks=6)
     (p,) = prompts_of([6], seed=3)
     eng.add_request("ok", p, GREEDY)
     bad = [
@@ -309,9 +324,9 @@ def test_bad_requests_are_refused_and_change_nothing(model, reference):
         (lambda: eng.add_request("t", "text", GREEDY), ValueError, "needs a tokenizer"),
         (lambda: eng.add_request("long", [1] * 60, GREEDY), ValueError,
          r"prompt \(60 tokens\) \+ max_tokens \(12\) = 72 exceeds max_model_len 64"),
-        (lambda: eng.add_request("big", [1] * 40, SamplingParams(max_tokens=20, n=4)),
+        (lambda: tiny_pool.add_request("big", [1] * 40, SamplingParams(max_tokens=20, n=4)),
          ValueError, r"prompt \(40 tokens\) \+ max_tokens \(20\) needs 11 blocks with n=4, "
-                     r"more than the pool's 10 \(80 tokens\)"),
+                     r"more than the pool's 6 \(48 tokens\)"),
         (lambda: SamplingParams(max_tokens=0), ValueError, "max_tokens must be an int >= 1"),
         (lambda: SamplingParams(n=0), ValueError, "n must be an int >= 1"),
         (lambda: SamplingParams(temperature=-0.5), ValueError, "temperature must be >= 0"),
@@ -329,7 +344,7 @@ def test_bad_requests_are_refused_and_change_nothing(model, reference):
     assert outs[0].outputs[0].token_ids == reference(p, 12)
 
 
-def test_events_name_every_block_the_engine_stores_removes_and_clears(model):
+def test_events_name_every_block_the_engine_stores_removes_and_clears(model, steps):
     """KV events (vLLM's names and fields) against hashes recomputed here with hashlib, and
     the scheduling events of a run that admits on a prefix hit, forks, preempts and evicts."""
     import hashlib
@@ -337,8 +352,9 @@ def test_events_name_every_block_the_engine_stores_removes_and_clears(model):
     from paged_jax.engine import events as ev
 
     seen = []
-    eng = LLMEngine(model, block_size=8, max_num_seqs=4, max_model_len=64, num_blocks=12,
-                    max_num_batched_tokens=32, steps_per_dispatch=4, debug=True)
+    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=4, max_model_len=64,
+                    num_blocks=SMALL,
+                    max_num_batched_tokens=32, steps_per_dispatch=3, debug=True)
     eng.add_listener(seen.append)
     (prefix,) = prompts_of([16], seed=21)
     tails = prompts_of([3, 5, 9, 2], seed=22)

@@ -5,25 +5,35 @@ cut real text."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
+from flax import nnx
 
 from paged_jax.engine.bench_model import QUESTIONS
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.params import SamplingParams
+from paged_jax.engine.steps import Steps
 
 NEW_TOKENS = 32
 
 
-def engine(smollm2) -> LLM:
+@pytest.fixture(scope="module")
+def steps(smollm2):
+    """One compiled Steps for both tests' engines (equal shapes share executables)."""
+    return Steps(nnx.split(smollm2.ours)[0])
+
+
+def engine(smollm2, steps) -> LLM:
     return LLM.from_model(smollm2.ours, smollm2.tokenizer, block_size=16, num_blocks=64,
-                          max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
+                          max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128,
+                          steps=steps)
 
 
-def test_greedy_chat_answers_equal_transformers_generate(smollm2):
+def test_greedy_chat_answers_equal_transformers_generate(smollm2, steps):
     """Four chat prompts, the last three served together after the first (their prompts
     share the template's system prompt, so they start on its cached blocks), 32 greedy tokens
     or EOS, against ``generate(do_sample=False)`` one prompt at a time."""
-    llm = engine(smollm2)
+    llm = engine(smollm2, steps)
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     outs = llm.chat(convs[:1], params, use_tqdm=False)
@@ -44,8 +54,8 @@ def test_greedy_chat_answers_equal_transformers_generate(smollm2):
     assert llm.stats().prefix_cache_hit_rate > 0
 
 
-def test_stop_strings_end_real_answers(smollm2):
-    llm = engine(smollm2)
+def test_stop_strings_end_real_answers(smollm2, steps):
+    llm = engine(smollm2, steps)
     (free,) = llm.chat([{"role": "user", "content": QUESTIONS[0]}],
                        SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
     text = free.outputs[0].text

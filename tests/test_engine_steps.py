@@ -377,29 +377,23 @@ def prefill_rows(graphdef, params, prompts, slots, cache=CACHE):
 
 def test_steps_object_equals_the_module_functions(split_model):
     """``Steps(graphdef)``'s methods are the module functions with the graph bound: the same
-    tokens, logits and state for prefill, decode_step and decode_steps (greedy; sampled with
-    no key, which draws with ``jax.random.key(0)`` in both; with per-row budgets, stop ids and
-    seeds). A bad ``hoist_max_bytes`` is refused at construction."""
+    tokens, logits and state for prefill and decode_steps (greedy; sampled with no key, which
+    draws with ``jax.random.key(0)`` in both). Both wrap the same step bodies, which every
+    other test here runs through the module functions. A bad ``hoist_max_bytes`` is refused
+    at construction."""
     graphdef, params = split_model
     runner = Steps(graphdef)
     prompts, slots = prompts_of([4, 9], seed=21), np.array([0, 2], np.int32)
     width = jnp.asarray(pad_prompts(prompts))
-    rows = dict(budgets=np.array([3, 0, 2, 0], np.int32),
-                stop_ids=np.full((4, 1), -1, np.int32), seeds=np.array([7, 0, 9, 0], np.int32))
 
-    def run(prefill_fn, step_fn, steps_fn):
+    def run(prefill_fn, steps_fn):
         kv, state = init_cache(TINY, CACHE), init_state(CACHE)
         logits, kv, state, status = prefill_fn(params, kv, state, width, jnp.asarray(slots),
                                                jnp.array([4, 9]))
         status.raise_if_failed()
         first = jnp.zeros(4, jnp.int32).at[slots].set(jnp.argmax(logits, -1).astype(jnp.int32))
         out = [np.asarray(logits)]
-        step_logits, kv, state, status = step_fn(params, kv, state, first)
-        status.raise_if_failed()
-        out.append(np.asarray(step_logits))
-        for kwargs in (dict(), dict(temperature=3.0), dict(key=jax.random.key(0),
-                                                           temperature=3.0),
-                       dict(temperature=3.0, **rows)):
+        for kwargs in (dict(), dict(temperature=3.0)):
             toks, lg, kv, state, status = steps_fn(params, kv, state, first, num_steps=3,
                                                    return_logits=True, **kwargs)
             status.raise_if_failed()
@@ -409,8 +403,8 @@ def test_steps_object_equals_the_module_functions(split_model):
     def bind(f):
         return lambda *a, **k: f(graphdef, *a, **k)
 
-    got = run(runner.prefill, runner.decode_step, runner.decode_steps)
-    want = run(bind(prefill), bind(decode_step), bind(decode_steps))
+    got = run(runner.prefill, runner.decode_steps)
+    want = run(bind(prefill), bind(decode_steps))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, atol=1e-6, rtol=0)
     # The keyless draw is key(0)'s: the second and third dispatches start from different

@@ -107,13 +107,16 @@ def test_answers_equal_transformers_greedy_generate(models, smollm2):
     """``answer`` (chat template, paged prefill, K-step decode to EOS) gives transformers'
     greedy ids for the same chat prompt, token for token, up to EOS or 32 new tokens; what
     it streams adds up to its text."""
+    from paged_jax.engine.steps import Steps
     from paged_jax.engine.text import answer
 
     ours, theirs = models
     tokenizer = smollm2.tokenizer
+    steps = Steps(nnx.split(ours)[0])  # the answers share their compiled steps
     for question in CHATS:
         pieces = []
-        result = answer(ours, tokenizer, question, max_new_tokens=32, on_text=pieces.append)
+        result = answer(ours, tokenizer, question, max_new_tokens=32, on_text=pieces.append,
+                        steps=steps)
         prompt = torch.tensor([result.prompt_ids])
         with torch.no_grad():
             ref = theirs.generate(prompt, do_sample=False, max_new_tokens=32,

@@ -153,6 +153,8 @@ class LLMEngine:
       seed: the default for requests without their own.
       impl: the decode attention (``"auto"``, ``"xla"``, ``"pallas"``).
       debug: check the allocator's invariants and the host's view after every step.
+      steps: the model's compiled ``Steps`` to reuse (engines over one model share their
+        compiled prefill and decode through it); None builds one.
     """
 
     def __init__(self, model: Llama, tokenizer=None, *, eos_token_id: int | None = None,
@@ -160,7 +162,7 @@ class LLMEngine:
                  max_model_len: int = 1024, max_num_batched_tokens: int = 512,
                  steps_per_dispatch: int = 8, enable_prefix_caching: bool = True,
                  seed: int = 0, impl: str = "auto", kv_cache_bytes: int = DEFAULT_KV_BYTES,
-                 debug: bool = False):
+                 debug: bool = False, steps: Steps | None = None):
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_model_len", max_model_len),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -187,7 +189,12 @@ class LLMEngine:
 
         graphdef, params = nnx.split(model)
         self.graphdef, self.params = graphdef, nnx.to_pure_dict(params)
-        self.steps = Steps(graphdef)  # the model's jitted prefill and decode
+        if steps is None:
+            steps = Steps(graphdef)  # the model's jitted prefill and decode
+        elif not isinstance(steps, Steps) or steps.graphdef != graphdef:
+            raise ValueError("steps must be a Steps built from this model's graph "
+                             "(Steps(nnx.split(model)[0])).")
+        self.steps = steps
         self.kv = init_cache(model.config, self.cache_config)
         self.state = init_state(self.cache_config)
         # The allocator ops applied between dispatches, jitted once for this engine; the
@@ -420,7 +427,9 @@ class LLMEngine:
             return
         # Read after the preemptions' releases, which may have left more blocks evictable.
         ref = np.asarray(jax.device_get(self.state.ref_counts))
-        in_use = {b for blocks in self._snap["hits"].values() for b in blocks}
+        # The hits of this plan's admissions are about to be used; a lookup that did not
+        # lead to an admission holds nothing.
+        in_use = {b for s in plan.admitted for b in self._snap["hits"].get(id(s), ())}
         evictable = {b for b in self.prefix_cache.blocks() if ref[b] == 1} - in_use
         gone = self.prefix_cache.evict(short, evictable)
         if gone:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.sampling import check_sampling
+from paged_jax.engine.steps import Steps
 from paged_jax.model.llama import Llama
 from paged_jax.model.tokenizer import Tokenizer
 
@@ -60,12 +61,14 @@ def answer(
     seed: int = 0,
     block_size: int = 16,
     on_text: Callable[[str], None] | None = None,
+    steps: Steps | None = None,
 ) -> Answer:
     """Answer ``prompt`` (a user message, put through the chat template unless ``raw``).
 
     Greedy at ``temperature == 0``, else sampled with ``seed`` at ``temperature``, ``top_k``
     (0 = off) and ``top_p`` (1 = off): the token at position ``p`` is drawn with a key made
-    from ``(seed, p)``, as the engine draws every token. Raises ``ValueError`` for an empty
+    from ``(seed, p)``, as the engine draws every token. ``steps``, the model's ``Steps``,
+    lets several answers share their compiled work. Raises ``ValueError`` for an empty
     prompt, a non-positive ``max_new_tokens`` / ``steps_per_dispatch`` or a sampling
     parameter out of range (``check_sampling``).
     """
@@ -86,7 +89,7 @@ def answer(
     engine = LLMEngine(model, tokenizer, block_size=block_size, num_blocks=blocks,
                        max_num_seqs=1, max_model_len=blocks * block_size,
                        max_num_batched_tokens=width, steps_per_dispatch=steps_per_dispatch,
-                       enable_prefix_caching=False, seed=seed)
+                       enable_prefix_caching=False, seed=seed, steps=steps)
     engine.add_request("answer", ids, SamplingParams(
         temperature=temperature, top_k=top_k or -1, top_p=top_p, max_tokens=max_new_tokens,
         seed=seed))
