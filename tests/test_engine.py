@@ -370,7 +370,15 @@ def test_events_name_every_block_the_engine_stores_removes_and_clears(model, ste
     assert {ev.Admitted, ev.Forked, ev.Preempted, ev.Finished, ev.StepDone, ev.BlockStored,
             ev.BlockRemoved, ev.AllBlocksCleared} <= kinds
     assert sum(isinstance(e, ev.StepDone) for e in seen) == steps
-    assert any(e.hit_blocks for e in seen if isinstance(e, ev.Admitted))
+    admitted = [e for e in seen if isinstance(e, ev.Admitted)]
+    assert any(e.hit_blocks for e in admitted)
+    # One lookup record per admission, even for the sequence that waited (looked up again
+    # each step until it fitted), and the hit rate is over those admissions only.
+    assert [(rid, r.hit_tokens) for rid, r in eng.lookups] == [
+        (e.request_id, e.lookup.hit_tokens) for e in admitted]
+    assert eng.stats().prefix_cache_hit_rate == pytest.approx(
+        sum(r.hit_tokens for _, r in eng.lookups)
+        / sum(r.target_tokens - 1 for _, r in eng.lookups))
     stored = {}
     for e in seen:
         if isinstance(e, ev.BlockStored):

@@ -217,7 +217,10 @@ class LLMEngine:
         # Per slot: the chain hash of its last cached full block and how many are entered.
         self._chain: dict[int, tuple[int, bytes]] = {}
         self._snap = None
+        # (request id, Lookup) of every admission's prefix lookup. The scheduler may look a
+        # queued sequence up again each step until it fits; only the admitting lookup counts.
         self.lookups: list[tuple[str, Lookup]] = []
+        self._hit_tokens = self._looked_up_tokens = 0
         self.listeners: list = []
         self.steps_run = 0
         self._tables_of, self._tables_host = None, None
@@ -360,7 +363,6 @@ class LLMEngine:
         blocks, record = self.prefix_cache.lookup(seq.target)
         self._snap["hits"][id(seq)] = blocks
         self._snap["lookups"][id(seq)] = record
-        self.lookups.append((seq.request_id, record))
         return record.hit_tokens
 
     def prefill_need(self, seq: Sequence, upto: int) -> int:
@@ -455,6 +457,10 @@ class LLMEngine:
                 counts[i] = s.cached
                 self._chain[s.slot] = (len(blocks), self._hash_of(blocks))
                 record = self._snap["lookups"].get(id(s))
+                if record is not None:
+                    self.lookups.append((s.request_id, record))
+                    self._hit_tokens += record.hit_tokens
+                    self._looked_up_tokens += max(record.target_tokens - 1, 0)
                 self._publish(lambda s=s, blocks=blocks, record=record: ev.Admitted(
                     s.request_id, s.index, s.slot, [int(b) for b in blocks], record))
             self.state, status = self._admit_cached(self.state, ids, tables, counts)
@@ -747,7 +753,8 @@ class LLMEngine:
             blocks_cached=len(self.prefix_cache),
             block_occupancy=used / cfg.num_blocks,
             token_occupancy=tokens / (cfg.num_blocks * cfg.block_size),
-            prefix_cache_hit_rate=self.prefix_cache.hit_rate,
+            prefix_cache_hit_rate=(self._hit_tokens / self._looked_up_tokens
+                                   if self._looked_up_tokens else 0.0),
             copy_on_write_copies=self._cow_copies,
             prefill_executables=len(self._prefill_shapes),
             finished=len(self.finished_metrics),
