@@ -12,9 +12,13 @@ list and yields every complete record; the cut-off tail is dropped, never guesse
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import pathlib
 from collections.abc import Iterator
+
+import numpy as np
 
 from paged_jax.installed import installed_file
 
@@ -78,3 +82,101 @@ def _skip(buf: str, pos: int, extra: str = "") -> int:
     while pos < len(buf) and (buf[pos].isspace() or buf[pos] in extra):
         pos += 1
     return pos
+
+
+ROLE_MODES = ("human-gpt", "first-two")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledRequest:
+    """One benchmark request: ``prompt`` text, its token count, the reference reply's token
+    count (the number of tokens to generate) and the ShareGPT record it came from."""
+
+    prompt: str
+    prompt_len: int
+    output_len: int
+    record_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """What ``sample_requests`` drew, and how many records each rule set aside.
+
+    ``records`` complete records were read; ``no_pair`` had no (prompt, reply) pair under
+    the role mode; ``gpt_first`` is how many of the records read open with a non-human turn
+    (ShareGPT splits long conversations, so a part can start mid-reply); ``too_short`` and
+    ``too_long`` were tokenized and dropped by the length rules. Records after the last one
+    needed were never tokenized.
+    """
+
+    requests: tuple[SampledRequest, ...]
+    records: int
+    gpt_first: int
+    no_pair: int
+    too_short: int
+    too_long: int
+    roles: str
+    seed: int
+
+
+def conversation_pair(record: dict, roles: str = "human-gpt") -> tuple[str, str] | None:
+    """The (prompt, reply) texts of a ShareGPT record, or None when it has none.
+
+    ``roles="first-two"`` is vLLM's rule: turns 0 and 1, whoever spoke them.
+    ``roles="human-gpt"`` (the default) takes the first human turn that a gpt turn answers,
+    so a prompt is always a user's message: a record that opens with a gpt turn (a split
+    continuation) starts at its first human turn instead.
+    """
+    if roles not in ROLE_MODES:
+        raise ValueError(f"roles must be one of {ROLE_MODES}, got {roles!r}")
+    turns = record.get("conversations") or []
+    if roles == "first-two":
+        return (turns[0]["value"], turns[1]["value"]) if len(turns) >= 2 else None
+    for ask, reply in itertools.pairwise(turns):
+        if ask.get("from") == "human" and reply.get("from") == "gpt":
+            return ask["value"], reply["value"]
+    return None
+
+
+def sample_requests(tokenizer, num_requests: int, *, seed: int = 0, roles: str = "human-gpt",
+                    min_len: int = 4, max_prompt_len: int = 1024, max_total_len: int = 2048,
+                    records: list[dict] | None = None, path=None) -> Sample:
+    """Draw ``num_requests`` ShareGPT requests the way vLLM's serving benchmark does.
+
+    Take each record's (prompt, reply) pair (``conversation_pair``), shuffle the pairs with
+    ``seed``, count tokens with ``tokenizer`` (a paged_jax ``Tokenizer``; no special tokens
+    added), and keep a pair unless its prompt or reply is under ``min_len`` tokens, its prompt
+    is over ``max_prompt_len`` or the two together are over ``max_total_len``. Stops once
+    ``num_requests`` are kept; raises ValueError if the data holds fewer. ``records`` (the
+    parsed records) skips reading ``path`` (default: the installed file).
+    """
+    if not isinstance(num_requests, int) or num_requests < 1:
+        raise ValueError(f"num_requests must be a positive int, got {num_requests!r}")
+    if records is None:
+        records = list(sharegpt_conversations(path))
+    gpt_first = sum(1 for r in records
+                    if (r.get("conversations") or [{}])[0].get("from") != "human")
+    pairs = [(r.get("id", str(i)), p) for i, r in enumerate(records)
+             if (p := conversation_pair(r, roles)) is not None]
+    order = np.random.default_rng(seed).permutation(len(pairs))
+    kept: list[SampledRequest] = []
+    too_short = too_long = 0
+    batch = 256
+    for start in range(0, len(order), batch):
+        chunk = [pairs[i] for i in order[start:start + batch]]
+        texts = [t for _, (prompt, reply) in chunk for t in (prompt, reply)]
+        lens = [len(e.ids) for e in tokenizer.backend.encode_batch(texts,
+                                                                  add_special_tokens=False)]
+        for j, (rid, (prompt, _)) in enumerate(chunk):
+            p, o = lens[2 * j], lens[2 * j + 1]
+            if p < min_len or o < min_len:
+                too_short += 1
+            elif p > max_prompt_len or p + o > max_total_len:
+                too_long += 1
+            else:
+                kept.append(SampledRequest(prompt, p, o, str(rid)))
+                if len(kept) == num_requests:
+                    return Sample(tuple(kept), len(records), gpt_first,
+                                  len(records) - len(pairs), too_short, too_long, roles, seed)
+    raise ValueError(f"ShareGPT holds only {len(kept)} requests within the length rules; "
+                     f"asked for {num_requests}")
