@@ -33,6 +33,8 @@ BENCHMARKS = {
     "kernel": "paged_jax.kernels.bench",
     "decode": "paged_jax.engine.bench",
     "engine": "paged_jax.engine.bench_engine",
+    "memory": "paged_jax.allocator.bench_memory",
+    "serve": "paged_jax.engine.bench_serve",
 }
 
 
