@@ -1,0 +1,142 @@
+"""Physical blocks with and without sharing, on the real allocator (the memory benchmark's
+sharing mixes).
+
+Both mixes run in a pool large enough that nothing waits: every request is admitted at step
+0, appends one token per step and is released after its ``output_len`` tokens, so the
+shared and the unshared run follow the identical schedule and differ only in the blocks they
+hold. The measure is the physical blocks in use (``num_blocks - num_free``) after each step
+``0 .. max(output_len) - 1``: its mean and its peak.
+
+* ``system_prompt_blocks``: request ``i``'s prompt is system prompt ``i % num_system`` of
+  ``system_len`` tokens, then its own prompt. Shared: each system prompt is admitted once
+  and held for the whole run; a request starts on its whole blocks with ``share_prefix`` and
+  appends the rest of its prompt privately. Unshared: each request admits its whole prompt.
+* ``parallel_sampling_blocks``: each request samples ``n`` outputs of ``output_len`` tokens.
+  Shared: its prompt is admitted once and ``fork``-ed into ``n`` sequences; before their
+  first token, ``copy_on_write`` gives each writer its own copy of the partly filled last
+  block (the last writer keeps the original). Unshared: ``n`` independent copies of the
+  prompt.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.allocator import ops
+from paged_jax.allocator.memory import cdiv, check_positive, check_stream
+from paged_jax.allocator.memory_blocks import pad_ids
+from paged_jax.allocator.state import CacheConfig, init_state
+
+
+def _checked(result):
+    *out, status = result
+    status.raise_if_failed()
+    return out[0] if len(out) == 1 else out
+
+
+def _run_steps(state, rows, outputs, progress, before_first=None):
+    """Append one token to every row of ``rows`` per step; release a row after its
+    ``outputs`` tokens. Returns [max(outputs)] blocks in use after each step, step 0 first
+    (step 0 is the state as given). ``before_first(state) -> state`` runs before step 1's
+    append."""
+    cfg = state.config
+    rows, outputs = np.asarray(rows), np.asarray(outputs)
+    append = jax.jit(lambda s, mask: ops.append(s, mask, 1), donate_argnums=0)
+    release = jax.jit(ops.release, donate_argnums=0)
+    used = np.zeros(int(outputs.max()), np.int64)
+    used[0] = cfg.num_blocks - int(state.num_free)
+    if progress is not None:
+        progress(1)
+    for t in range(1, used.shape[0]):
+        if t == 1 and before_first is not None:
+            state = before_first(state)
+        live = rows[outputs >= t]
+        mask = np.zeros(cfg.max_seqs, bool)
+        mask[live] = True
+        state = _checked(append(state, jnp.asarray(mask)))
+        done = rows[outputs == t]
+        if done.size:
+            state = _checked(release(state, jnp.asarray(pad_ids(done, width=cfg.max_seqs))))
+        used[t] = cfg.num_blocks - int(state.num_free)
+        if progress is not None:
+            progress(1)
+    return used
+
+
+def system_prompt_blocks(stream, *, share: bool, block_size: int = 16, system_len: int = 512,
+                         num_system: int = 4, progress=None) -> np.ndarray:
+    """[max output_len] physical blocks in use per step, for the system-prompt mix."""
+    pairs = check_stream(stream)
+    bs = check_positive("block_size", block_size)
+    system_len = check_positive("system_len", system_len)
+    num_system = check_positive("num_system", num_system)
+    n = len(pairs)
+    prompts = np.array([p for p, _ in pairs]) + system_len
+    outputs = np.array([o for _, o in pairs])
+    finals = prompts + outputs
+    num_blocks = int(np.sum(-(-finals // bs))) + num_system * cdiv(system_len, bs)
+    cfg = CacheConfig(num_blocks=num_blocks, block_size=bs, max_seqs=n + num_system,
+                      max_blocks_per_seq=cdiv(int(finals.max()), bs))
+    state = init_state(cfg)
+    rows = np.arange(n, dtype=np.int32) + num_system
+    if share:
+        # The system prompts' whole blocks are shared; a partial last block is not (each
+        # request would write into it), so its tokens join the request's own.
+        whole = system_len // bs
+        state = _checked(ops.admit(state, jnp.arange(num_system), system_len))
+        src = jnp.asarray(np.arange(n) % num_system, jnp.int32)
+        state = _checked(ops.share_prefix(state, src, jnp.asarray(rows), whole))
+        state = _checked(ops.append(state, jnp.asarray(rows),
+                                    jnp.asarray(prompts - whole * bs, jnp.int32)))
+    else:
+        state = _checked(ops.admit(state, jnp.asarray(rows), jnp.asarray(prompts, jnp.int32)))
+    return _run_steps(state, rows, outputs, progress)
+
+
+def parallel_sampling_blocks(stream, *, share: bool, block_size: int = 16, n: int = 4,
+                             progress=None) -> np.ndarray:
+    """[max output_len] physical blocks in use per step, for ``n`` samples per request."""
+    pairs = check_stream(stream)
+    bs = check_positive("block_size", block_size)
+    n = check_positive("n", n)
+    count = len(pairs)
+    prompts = np.repeat([p for p, _ in pairs], n)  # [count * n], request-major
+    outputs = np.repeat([o for _, o in pairs], n)
+    finals = prompts + outputs
+    cfg = CacheConfig(num_blocks=int(np.sum(-(-finals // bs))), block_size=bs,
+                      max_seqs=count * n, max_blocks_per_seq=cdiv(int(finals.max()), bs))
+    state = init_state(cfg)
+    rows = np.arange(count * n, dtype=np.int32)
+    if share:
+        parents = rows[::n]
+        state = _checked(ops.admit(state, jnp.asarray(parents),
+                                   jnp.asarray(prompts[::n], jnp.int32)))
+        children = rows.reshape(count, n)[:, 1:].reshape(-1)
+        state = _checked(ops.fork(state, jnp.asarray(np.repeat(parents, n - 1)),
+                                  jnp.asarray(children)))
+        # Step 1 writes position prompt_len: inside the shared last block unless the prompt
+        # ends on a block boundary, so those writers copy it first.
+        partial = prompts % bs != 0
+
+        def before_first(state):
+            if not partial.any():
+                return state
+            state, _, status = ops.copy_on_write(state, jnp.asarray(rows[partial]),
+                                                 jnp.asarray(prompts[partial], jnp.int32))
+            status.raise_if_failed()
+            return state
+    else:
+        state = _checked(ops.admit(state, jnp.asarray(rows), jnp.asarray(prompts, jnp.int32)))
+        before_first = None
+    return _run_steps(state, rows, outputs, progress, before_first)
+
+
+def reduction(shared: np.ndarray, unshared: np.ndarray) -> dict[str, float]:
+    """Mean and peak blocks of both runs and the % fewer blocks with sharing."""
+    out = {"shared_mean": float(shared.mean()), "unshared_mean": float(unshared.mean()),
+           "shared_peak": int(shared.max()), "unshared_peak": int(unshared.max())}
+    out["mean_reduction_percent"] = 100.0 * (1 - out["shared_mean"] / out["unshared_mean"])
+    out["peak_reduction_percent"] = 100.0 * (1 - out["shared_peak"] / out["unshared_peak"])
+    return out
