@@ -155,7 +155,7 @@ def sample_requests(tokenizer, num_requests: int, *, seed: int = 0, roles: str =
     if records is None:
         records = list(sharegpt_conversations(path))
     gpt_first = sum(1 for r in records
-                    if (r.get("conversations") or [{}])[0].get("from") != "human")
+                    if r.get("conversations") and r["conversations"][0].get("from") != "human")
     pairs = [(r.get("id", str(i)), p) for i, r in enumerate(records)
              if (p := conversation_pair(r, roles)) is not None]
     order = np.random.default_rng(seed).permutation(len(pairs))
