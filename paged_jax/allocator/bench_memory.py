@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0, help="the shuffle's (or --synthetic's) seed")
     p.add_argument("--roles", default="human-gpt", choices=("human-gpt", "first-two"))
-    p.add_argument("--synthetic", action="store_true",
-                   help="seeded uniform lengths (prompt 4..512, output 4..512), no ShareGPT")
+    p.add_argument("--synthetic", type=int, metavar="MAX",
+                   help="no ShareGPT: seeded prompt and output lengths, uniform in 4..MAX")
     p.add_argument("--pool-slots", type=int, default=32 * 2048, help="KV token slots in the pool")
     p.add_argument("--steps", type=int, default=1000, help="steps every strategy runs")
     p.add_argument("--max-len", type=int, default=2048, help="contiguous-max's reservation")
@@ -54,10 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_stream(args, out) -> tuple[list[tuple[int, int]], dict]:
     """``(prompt_len, output_len)`` pairs and what sampling set aside."""
-    if args.synthetic:
+    if args.synthetic is not None:
+        if args.synthetic < 4:
+            raise ValueError(f"--synthetic MAX must be at least 4. Got {args.synthetic}.")
         rng = np.random.default_rng(args.seed)
-        lens = rng.integers(4, 513, size=(args.num_requests, 2))
-        return [(int(p), int(o)) for p, o in lens], {"source": "synthetic"}
+        lens = rng.integers(4, args.synthetic + 1, size=(args.num_requests, 2))
+        return [(int(p), int(o)) for p, o in lens], {"source": "synthetic", "max": args.synthetic}
     from paged_jax.datasets import sample_requests
     from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
 

@@ -99,10 +99,13 @@ def check_positive(name: str, value) -> int:
 @dataclasses.dataclass
 class Replay:
     """Per-step record of one strategy's replay: each category's slots, requests running and
-    waiting, completed so far and preemptions so far, all [steps] int arrays."""
+    waiting, completed so far and preemptions so far, all [steps] int arrays; the stream it
+    replayed and the request indices in the order of their first admission."""
 
     name: str
     pool_slots: int
+    stream: tuple[tuple[int, int], ...]
+    admitted: list[int]
     usage: dict[str, np.ndarray]
     running: np.ndarray
     waiting: np.ndarray
@@ -143,6 +146,8 @@ def replay(stream: Sequence[tuple[int, int]], strategy, steps: int, progress=Non
     counts = {k: np.zeros(steps, np.int64) for k in ("running", "waiting", "completed",
                                                       "preemptions")}
     completed = preemptions = 0
+    admitted: list[int] = []
+    seen: set[int] = set()
     for t in range(steps):
         victims = strategy.victims(running) if running else []
         for v in victims:  # newest first, so the oldest victim ends up at the front
@@ -160,7 +165,10 @@ def replay(stream: Sequence[tuple[int, int]], strategy, steps: int, progress=Non
             running = [r for r in running if r.generated < r.output]
             completed += len(done)
         if not victims and queue:
-            running += strategy.admit(queue)
+            new = strategy.admit(queue)
+            admitted += [r.index for r in new if r.index not in seen]
+            seen.update(r.index for r in new)
+            running += new
         alloc = strategy.allocated(running)
         external, free = strategy.unheld(queue[0] if queue else None)
         for r, a in zip(running, alloc, strict=True):
@@ -174,7 +182,7 @@ def replay(stream: Sequence[tuple[int, int]], strategy, steps: int, progress=Non
             counts[key][t] = value
         if progress is not None:
             progress(1)
-    return Replay(strategy.name, strategy.pool_slots, rec, **counts)
+    return Replay(strategy.name, strategy.pool_slots, tuple(pairs), admitted, rec, **counts)
 
 
 class ContiguousMax:
@@ -282,8 +290,9 @@ def cdiv(a: int, b: int) -> int:
 
 class Paged:
     """Blocks of ``blocks.block_size`` slots on demand, over a block backend
-    (``memory_blocks.py``): ``num_free()``, ``admit([(slot, tokens)])``, ``append(slots)``, ``release(slots)`` and
-    ``counts(slots) -> blocks held``. Preempts by recompute when growth does not fit."""
+    (``memory_blocks.py``): ``num_free()``, ``admit([(slot, tokens)])``, ``append(slots)``,
+    ``release(slots)`` and ``counts(slots) -> blocks held``. Preempts by recompute when
+    growth does not fit."""
 
     def __init__(self, pool_slots: int, blocks, name: str | None = None):
         self.pool_slots = check_positive("pool_slots", pool_slots)

@@ -29,11 +29,26 @@ from paged_jax.allocator.memory import cdiv, check_positive, check_stream
 from paged_jax.allocator.memory_blocks import pad_ids
 from paged_jax.allocator.state import CacheConfig, init_state
 
+# Jitted once per shape: eagerly, every primitive inside an op would compile on its own.
+_admit = jax.jit(ops.admit)
+_append = jax.jit(ops.append)
+_share_prefix = jax.jit(ops.share_prefix)
+_fork = jax.jit(ops.fork)
+_copy_on_write = jax.jit(ops.copy_on_write)
+
 
 def _checked(result):
     *out, status = result
     status.raise_if_failed()
     return out[0] if len(out) == 1 else out
+
+
+def _step(state, mask, done):
+    """One step: ``mask`` ([max_seqs] bool) rows append a token, then ``done`` ([max_seqs]
+    int, -1-padded) rows are released. Returns ``(state, num_free, ok)``."""
+    state, grown = ops.append(state, mask, 1)
+    state, released = ops.release(state, done)
+    return state, state.num_free, grown.applied & released.applied
 
 
 def _run_steps(state, rows, outputs, progress, before_first=None):
@@ -43,8 +58,7 @@ def _run_steps(state, rows, outputs, progress, before_first=None):
     append."""
     cfg = state.config
     rows, outputs = np.asarray(rows), np.asarray(outputs)
-    append = jax.jit(lambda s, mask: ops.append(s, mask, 1), donate_argnums=0)
-    release = jax.jit(ops.release, donate_argnums=0)
+    step = jax.jit(_step, donate_argnums=0)
     used = np.zeros(int(outputs.max()), np.int64)
     used[0] = cfg.num_blocks - int(state.num_free)
     if progress is not None:
@@ -52,14 +66,14 @@ def _run_steps(state, rows, outputs, progress, before_first=None):
     for t in range(1, used.shape[0]):
         if t == 1 and before_first is not None:
             state = before_first(state)
-        live = rows[outputs >= t]
         mask = np.zeros(cfg.max_seqs, bool)
-        mask[live] = True
-        state = _checked(append(state, jnp.asarray(mask)))
-        done = rows[outputs == t]
-        if done.size:
-            state = _checked(release(state, jnp.asarray(pad_ids(done, width=cfg.max_seqs))))
-        used[t] = cfg.num_blocks - int(state.num_free)
+        mask[rows[outputs >= t]] = True
+        done = pad_ids(rows[outputs == t], width=cfg.max_seqs)
+        state, free, ok = step(state, jnp.asarray(mask), jnp.asarray(done))
+        if not bool(ok):
+            raise RuntimeError(f"An append or release failed at step {t}; the pool holds "
+                               f"{cfg.num_blocks} blocks.")
+        used[t] = cfg.num_blocks - int(free)
         if progress is not None:
             progress(1)
     return used
@@ -85,13 +99,13 @@ def system_prompt_blocks(stream, *, share: bool, block_size: int = 16, system_le
         # The system prompts' whole blocks are shared; a partial last block is not (each
         # request would write into it), so its tokens join the request's own.
         whole = system_len // bs
-        state = _checked(ops.admit(state, jnp.arange(num_system), system_len))
+        state = _checked(_admit(state, jnp.arange(num_system), system_len))
         src = jnp.asarray(np.arange(n) % num_system, jnp.int32)
-        state = _checked(ops.share_prefix(state, src, jnp.asarray(rows), whole))
-        state = _checked(ops.append(state, jnp.asarray(rows),
+        state = _checked(_share_prefix(state, src, jnp.asarray(rows), whole))
+        state = _checked(_append(state, jnp.asarray(rows),
                                     jnp.asarray(prompts - whole * bs, jnp.int32)))
     else:
-        state = _checked(ops.admit(state, jnp.asarray(rows), jnp.asarray(prompts, jnp.int32)))
+        state = _checked(_admit(state, jnp.asarray(rows), jnp.asarray(prompts, jnp.int32)))
     return _run_steps(state, rows, outputs, progress)
 
 
@@ -111,10 +125,10 @@ def parallel_sampling_blocks(stream, *, share: bool, block_size: int = 16, n: in
     rows = np.arange(count * n, dtype=np.int32)
     if share:
         parents = rows[::n]
-        state = _checked(ops.admit(state, jnp.asarray(parents),
+        state = _checked(_admit(state, jnp.asarray(parents),
                                    jnp.asarray(prompts[::n], jnp.int32)))
         children = rows.reshape(count, n)[:, 1:].reshape(-1)
-        state = _checked(ops.fork(state, jnp.asarray(np.repeat(parents, n - 1)),
+        state = _checked(_fork(state, jnp.asarray(np.repeat(parents, n - 1)),
                                   jnp.asarray(children)))
         # Step 1 writes position prompt_len: inside the shared last block unless the prompt
         # ends on a block boundary, so those writers copy it first.
@@ -123,12 +137,12 @@ def parallel_sampling_blocks(stream, *, share: bool, block_size: int = 16, n: in
         def before_first(state):
             if not partial.any():
                 return state
-            state, _, status = ops.copy_on_write(state, jnp.asarray(rows[partial]),
+            state, _, status = _copy_on_write(state, jnp.asarray(rows[partial]),
                                                  jnp.asarray(prompts[partial], jnp.int32))
             status.raise_if_failed()
             return state
     else:
-        state = _checked(ops.admit(state, jnp.asarray(rows), jnp.asarray(prompts, jnp.int32)))
+        state = _checked(_admit(state, jnp.asarray(rows), jnp.asarray(prompts, jnp.int32)))
         before_first = None
     return _run_steps(state, rows, outputs, progress, before_first)
 
