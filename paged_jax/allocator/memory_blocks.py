@@ -41,6 +41,14 @@ def _counts(state):
     return state.num_free, jnp.sum(state.block_tables != NULL_BLOCK, axis=1, dtype=jnp.int32)
 
 
+# One jitted function per op for every DeviceBlocks, so pools of the same shape share their
+# compilations. The state is donated: XLA updates it in place.
+_admit = jax.jit(ops.admit, donate_argnums=0)
+_append_one = jax.jit(lambda state, mask: ops.append(state, mask, 1), donate_argnums=0)
+_release = jax.jit(ops.release, donate_argnums=0)
+_host_counts = jax.jit(_counts)
+
+
 class DeviceBlocks:
     """The real allocator: a ``BlockState`` of ``num_blocks`` blocks and ``max_seqs`` rows of
     ``max_blocks_per_seq`` blocks. Every op's status is checked, so a refused op raises."""
@@ -50,10 +58,6 @@ class DeviceBlocks:
                                   max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq)
         self.block_size, self.num_blocks, self.max_seqs = block_size, num_blocks, max_seqs
         self.state = init_state(self.config)
-        self._admit = jax.jit(ops.admit, donate_argnums=0)
-        self._append = jax.jit(lambda s, mask: ops.append(s, mask, 1), donate_argnums=0)
-        self._release = jax.jit(ops.release, donate_argnums=0)
-        self._counts = jax.jit(_counts)
         self._view = None  # (num_free, [max_seqs] blocks per row) of the current state
 
     def _run(self, fn, *args):
@@ -63,7 +67,7 @@ class DeviceBlocks:
 
     def _host_view(self):
         if self._view is None:
-            free, rows = self._counts(self.state)
+            free, rows = _host_counts(self.state)
             self._view = int(free), np.asarray(rows)
         return self._view
 
@@ -73,16 +77,16 @@ class DeviceBlocks:
     def admit(self, items):
         slots, tokens = zip(*items, strict=True)
         width = padded_width(len(slots))
-        self._run(self._admit, jnp.asarray(pad_ids(slots, -1, width)),
+        self._run(_admit, jnp.asarray(pad_ids(slots, -1, width)),
                   jnp.asarray(pad_ids(tokens, 0, width)))
 
     def append(self, slots):
         mask = np.zeros(self.max_seqs, bool)
         mask[list(slots)] = True
-        self._run(self._append, jnp.asarray(mask))
+        self._run(_append_one, jnp.asarray(mask))
 
     def release(self, slots):
-        self._run(self._release, jnp.asarray(pad_ids(slots)))
+        self._run(_release, jnp.asarray(pad_ids(slots)))
 
     def counts(self, slots) -> list[int]:
         rows = self._host_view()[1]

@@ -51,6 +51,28 @@ def _step(state, mask, done):
     return state, state.num_free, grown.applied & released.applied
 
 
+_step_jit = jax.jit(_step, donate_argnums=0)
+
+
+def _config(num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int):
+    """A pool of at least these sizes, each rounded up to a power of two (and at least 256
+    blocks, 64 rows of 16): nothing here waits for blocks, so the extra room changes no
+    count, and runs of similar sizes share their compilations."""
+    up = lambda v, least: max(least, 1 << max(int(v) - 1, 0).bit_length())
+    return CacheConfig(num_blocks=up(num_blocks, 256), block_size=block_size,
+                       max_seqs=up(max_seqs, 64), max_blocks_per_seq=up(max_blocks_per_seq, 16))
+
+
+def _wide(cfg, ids, values=None):
+    """``ids`` (-1-padded) and ``values`` (0-padded; a scalar is broadcast) as [max_seqs]
+    int32 device arrays, so each op compiles once per pool shape."""
+    ids = np.asarray(ids)
+    out = [jnp.asarray(pad_ids(ids, -1, cfg.max_seqs))]
+    if values is not None:
+        out.append(jnp.asarray(pad_ids(np.broadcast_to(values, ids.shape), 0, cfg.max_seqs)))
+    return out
+
+
 def _run_steps(state, rows, outputs, progress, before_first=None):
     """Append one token to every row of ``rows`` per step; release a row after its
     ``outputs`` tokens. Returns [max(outputs)] blocks in use after each step, step 0 first
@@ -58,7 +80,6 @@ def _run_steps(state, rows, outputs, progress, before_first=None):
     append."""
     cfg = state.config
     rows, outputs = np.asarray(rows), np.asarray(outputs)
-    step = jax.jit(_step, donate_argnums=0)
     used = np.zeros(int(outputs.max()), np.int64)
     used[0] = cfg.num_blocks - int(state.num_free)
     if progress is not None:
@@ -69,7 +90,7 @@ def _run_steps(state, rows, outputs, progress, before_first=None):
         mask = np.zeros(cfg.max_seqs, bool)
         mask[rows[outputs >= t]] = True
         done = pad_ids(rows[outputs == t], width=cfg.max_seqs)
-        state, free, ok = step(state, jnp.asarray(mask), jnp.asarray(done))
+        state, free, ok = _step_jit(state, jnp.asarray(mask), jnp.asarray(done))
         if not bool(ok):
             raise RuntimeError(f"An append or release failed at step {t}; the pool holds "
                                f"{cfg.num_blocks} blocks.")
@@ -91,21 +112,20 @@ def system_prompt_blocks(stream, *, share: bool, block_size: int = 16, system_le
     outputs = np.array([o for _, o in pairs])
     finals = prompts + outputs
     num_blocks = int(np.sum(-(-finals // bs))) + num_system * cdiv(system_len, bs)
-    cfg = CacheConfig(num_blocks=num_blocks, block_size=bs, max_seqs=n + num_system,
-                      max_blocks_per_seq=cdiv(int(finals.max()), bs))
+    cfg = _config(num_blocks, bs, n + num_system, cdiv(int(finals.max()), bs))
     state = init_state(cfg)
     rows = np.arange(n, dtype=np.int32) + num_system
     if share:
         # The system prompts' whole blocks are shared; a partial last block is not (each
         # request would write into it), so its tokens join the request's own.
         whole = system_len // bs
-        state = _checked(_admit(state, jnp.arange(num_system), system_len))
-        src = jnp.asarray(np.arange(n) % num_system, jnp.int32)
-        state = _checked(_share_prefix(state, src, jnp.asarray(rows), whole))
-        state = _checked(_append(state, jnp.asarray(rows),
-                                    jnp.asarray(prompts - whole * bs, jnp.int32)))
+        state = _checked(_admit(state, *_wide(cfg, np.arange(num_system), system_len)))
+        src = _wide(cfg, np.arange(n) % num_system)[0]
+        dst, rest = _wide(cfg, rows, prompts - whole * bs)
+        state = _checked(_share_prefix(state, src, dst, whole))
+        state = _checked(_append(state, dst, rest))
     else:
-        state = _checked(_admit(state, jnp.asarray(rows), jnp.asarray(prompts, jnp.int32)))
+        state = _checked(_admit(state, *_wide(cfg, rows, prompts)))
     return _run_steps(state, rows, outputs, progress)
 
 
@@ -119,17 +139,15 @@ def parallel_sampling_blocks(stream, *, share: bool, block_size: int = 16, n: in
     prompts = np.repeat([p for p, _ in pairs], n)  # [count * n], request-major
     outputs = np.repeat([o for _, o in pairs], n)
     finals = prompts + outputs
-    cfg = CacheConfig(num_blocks=int(np.sum(-(-finals // bs))), block_size=bs,
-                      max_seqs=count * n, max_blocks_per_seq=cdiv(int(finals.max()), bs))
+    cfg = _config(int(np.sum(-(-finals // bs))), bs, count * n, cdiv(int(finals.max()), bs))
     state = init_state(cfg)
     rows = np.arange(count * n, dtype=np.int32)
     if share:
         parents = rows[::n]
-        state = _checked(_admit(state, jnp.asarray(parents),
-                                   jnp.asarray(prompts[::n], jnp.int32)))
+        state = _checked(_admit(state, *_wide(cfg, parents, prompts[::n])))
         children = rows.reshape(count, n)[:, 1:].reshape(-1)
-        state = _checked(_fork(state, jnp.asarray(np.repeat(parents, n - 1)),
-                                  jnp.asarray(children)))
+        state = _checked(_fork(state, _wide(cfg, np.repeat(parents, n - 1))[0],
+                               _wide(cfg, children)[0]))
         # Step 1 writes position prompt_len: inside the shared last block unless the prompt
         # ends on a block boundary, so those writers copy it first.
         partial = prompts % bs != 0
@@ -137,12 +155,12 @@ def parallel_sampling_blocks(stream, *, share: bool, block_size: int = 16, n: in
         def before_first(state):
             if not partial.any():
                 return state
-            state, _, status = _copy_on_write(state, jnp.asarray(rows[partial]),
-                                                 jnp.asarray(prompts[partial], jnp.int32))
+            state, _, status = _copy_on_write(state, *_wide(cfg, rows[partial],
+                                                            prompts[partial]))
             status.raise_if_failed()
             return state
     else:
-        state = _checked(_admit(state, jnp.asarray(rows), jnp.asarray(prompts, jnp.int32)))
+        state = _checked(_admit(state, *_wide(cfg, rows, prompts)))
         before_first = None
     return _run_steps(state, rows, outputs, progress, before_first)
 
