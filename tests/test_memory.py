@@ -202,21 +202,21 @@ def test_bad_input_is_refused_by_name():
 
 def test_cli_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench"
-    rc = bench_main(["--synthetic", "30", "--num-requests", "40", "--steps", "25",
+    # Small enough that the sharing runs reuse the shapes test_sharing_counts_by_hand compiled.
+    rc = bench_main(["--synthetic", "30", "--num-requests", "12", "--steps", "25",
                      "--pool-slots", "600", "--max-len", "60", "--system-len", "24",
-                     "--block-sizes", "8", "16",
+                     "--block-sizes", "16",
                      "--no-progress", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    for name in ("contiguous-max", "contiguous-exact", "paged-8", "paged-16", "physical-limit",
+    for name in ("contiguous-max", "contiguous-exact", "paged-16", "physical-limit",
                  "system-prompt", "n=4 sampling", "Goals:", "1.65%"):
         assert name in text
     for png in ("utilization.png", "waste.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = json.loads((out / "results.json").read_text())
     names = [s["strategy"] for s in results["strategies"]]
-    assert names == ["contiguous-max", "contiguous-exact", "paged-8", "paged-16",
-                     "physical-limit"]
+    assert names == ["contiguous-max", "contiguous-exact", "paged-16", "physical-limit"]
     limit = results["strategies"][-1]
     assert limit["waste_percent"]["total"] == 0.0
     assert [g["goal"].split(" ")[0] for g in results["goals"]] == [
