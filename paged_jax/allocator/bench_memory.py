@@ -132,7 +132,7 @@ def strategy_table(replays) -> list[str]:
     return lines
 
 
-def goals(replays, sharing, args) -> list[tuple[str, bool]]:
+def goals(replays, sharing) -> list[tuple[str, bool]]:
     by = {r.name: r.summary() for r in replays}
     out = []
     if "paged-16" in by:
@@ -148,7 +148,7 @@ def goals(replays, sharing, args) -> list[tuple[str, bool]]:
     return out
 
 
-def plot(replays, sharing, folder: pathlib.Path) -> list[pathlib.Path]:
+def plot(replays, folder: pathlib.Path) -> list[pathlib.Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -219,12 +219,12 @@ def main(argv: list[str] | None = None, out=None) -> int:
     for line in SET_BESIDE:
         print(f"  {line}", file=out)
     print("Goals:", file=out)
-    met = goals(replays, sharing, args)
+    met = goals(replays, sharing)
     for text, ok in met:
         print(f"  [{'met' if ok else 'NOT MET'}] {text}", file=out)
     folder = pathlib.Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
-    paths = plot(replays, sharing, folder)
+    paths = plot(replays, folder)
     results = {"settings": {k: v for k, v in vars(args).items() if k != "no_progress"},
                "stream": info, "strategies": [r.summary() for r in replays],
                "sharing": sharing, "goals": [{"goal": t, "met": ok} for t, ok in met]}
