@@ -43,12 +43,13 @@ class Request:
 class Timing:
     """What a client saw of one request, in ``time.perf_counter`` seconds: ``arrival``;
     ``token_times``, when each generated token reached it (equal times: one delivery);
-    ``finish``, when the response ended."""
+    ``finish``, when the response ended; ``tokens``, the generated ids (to compare servers)."""
 
     arrival: float
     token_times: list[float]
     finish: float
     prompt_len: int
+    tokens: list[int] | None = None
 
     @property
     def ttft(self) -> float:

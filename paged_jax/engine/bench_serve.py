@@ -1,0 +1,452 @@
+"""Serving: TTFT against throughput as the batch grows, paged_jax beside transformers.
+
+``paged-jax bench serve`` replays one workload (ShareGPT prompts, sampled as vLLM's
+benchmark samples them, or ``--dataset random`` token ids) through three servers, at each
+``--request-rate`` (requests arrive by a Poisson process; ``inf`` sends them all at once) and
+each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve`` reports (see
+``paged_jax.engine.serve_metrics``):
+
+* ``paged_jax``: an ``LLMEngine`` stepped in this process. A request joins the running batch
+  at the first iteration after it arrives; prefill is chunked to ``--max-num-batched-tokens``
+  tokens per iteration; decode runs ``--steps-per-dispatch`` steps per dispatch. Each
+  configuration is served once untimed first, so that the timed pass runs on compiled
+  executables, and the prefix cache is emptied before the timed pass.
+* ``generate_batch``: transformers' continuous batching (its paged cache, a background
+  thread), fed the same arrivals through its manager's ``add_request``, with
+  ``max_requests_per_batch`` and ``max_batch_tokens`` set to the same limits and a pool of
+  the same number of token slots. Tokens are timed by its ``record_timestamps``.
+* ``generate``: transformers' static ``generate``. Waiting requests are taken in arrival
+  order, up to the batch limit, left-padded into one batch and generated to the longest
+  one's length; the next batch starts when this one returns. A token's time is the end of
+  the step that made it (a stopping criterion records each step), and a request finishes
+  when ``generate`` returns.
+
+All three are greedy, ignore EOS and generate exactly each request's output length
+(ShareGPT's reply length, capped at ``--max-output-len``), from the same f32 weights, on the
+same prompts and arrival times. The results go to ``--out``: ``serve.json`` (every run's
+figures) and ``serve.png`` (median TTFT against output throughput per server, one point per
+batch limit, one panel per rate).
+
+Goals (issue 15): at ``max_num_seqs >= 16``, output throughput at least 5x
+``generate_batch``'s and 2x ``generate``'s; median TTFT no worse than transformers'; ITL
+p99 at most 3x the ITL median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import pathlib
+import time
+
+import numpy as np
+
+from paged_jax.engine.serve_metrics import Request, Timing, poisson_arrivals, summarize
+
+SYSTEMS = ("paged_jax", "generate_batch", "generate")
+GOAL_VS_BATCH, GOAL_VS_STATIC, GOAL_ITL = 5.0, 2.0, 3.0
+GOAL_MIN_SEQS = 16
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paged-jax bench serve", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or a Hugging Face directory (default: SmolLM2)")
+    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random"])
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-output-len", type=int, default=32,
+                   help="output tokens per request at most (ShareGPT's reply length, capped)")
+    p.add_argument("--max-prompt-len", type=int, default=512,
+                   help="drop ShareGPT prompts longer than this (vLLM's rule: 1024)")
+    p.add_argument("--random-input-len", type=int, default=64,
+                   help="--dataset random: prompt lengths are drawn in [len/2, len]")
+    p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf, 4.0],
+                   help="requests/s of the Poisson arrivals; inf: all at once")
+    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--steps-per-dispatch", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-mib", type=int, default=512)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_serve_out"))
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name in ("num_prompts", "max_output_len", "max_prompt_len", "random_input_len",
+                 "max_num_batched_tokens", "steps_per_dispatch", "block_size", "kv_cache_mib"):
+        value = getattr(args, name)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.max_output_len < 2:
+        raise ValueError(f"--max-output-len must be >= 2 (TPOT needs two tokens), got "
+                         f"{args.max_output_len}")
+    for m in args.max_num_seqs:
+        if m < 1:
+            raise ValueError(f"--max-num-seqs values must be >= 1, got {m}")
+    for r in args.request_rate:
+        if not r > 0:
+            raise ValueError(f"--request-rate values must be > 0 (inf: all at once), got {r}")
+
+
+def workload(args, tokenizer, vocab_size: int) -> tuple[list[tuple[tuple[int, ...], int]], str]:
+    """``(prompt ids, output length)`` per request, and a line saying where they came from."""
+    if args.dataset == "random":
+        rng = np.random.default_rng(args.seed)
+        lo = max(1, args.random_input_len // 2)
+        lens = rng.integers(lo, args.random_input_len + 1, size=args.num_prompts)
+        reqs = [(tuple(rng.integers(0, vocab_size, int(n)).tolist()), args.max_output_len)
+                for n in lens]
+        return reqs, (f"random token ids, prompts of {lo}..{args.random_input_len} tokens, "
+                      f"{args.max_output_len} output tokens each")
+    if tokenizer is None:
+        raise ValueError("--dataset sharegpt needs a model with a tokenizer; use --dataset "
+                         "random for a checkpoint without one")
+    from paged_jax.datasets import sample_requests
+
+    sample = sample_requests(tokenizer, args.num_prompts, seed=args.seed,
+                             max_prompt_len=args.max_prompt_len)
+    reqs = [(tuple(tokenizer.encode(r.prompt, add_special_tokens=False)),
+             min(r.output_len, args.max_output_len)) for r in sample.requests]
+    return reqs, (
+        f"ShareGPT V3: {sample.records} complete records read ({sample.gpt_first} open with a "
+        f"gpt turn: the prompt is their first human turn answered by gpt); {len(reqs)} drawn "
+        f"with seed {args.seed} (dropped on the way: {sample.too_short} too short, "
+        f"{sample.too_long} too long, prompt > {args.max_prompt_len} or total > 2048); "
+        f"replies capped at {args.max_output_len} tokens")
+
+
+class PagedServer:
+    """paged_jax's ``LLMEngine`` over one model, one engine per batch limit (they share the
+    model's compiled steps)."""
+
+    name = "paged_jax"
+
+    def __init__(self, model, args, max_len: int):
+        from flax import nnx
+
+        from paged_jax.engine.steps import Steps
+        from paged_jax.kvcache import plan_blocks
+
+        self.model, self.args, self.max_len = model, args, max_len
+        self.steps = Steps(nnx.split(model)[0])
+        self.num_blocks = plan_blocks(model.config, args.kv_cache_mib << 20,
+                                      args.block_size).num_blocks
+        self.engines = {}
+
+    def engine(self, max_num_seqs: int):
+        from paged_jax.engine.llm_engine import LLMEngine
+
+        if max_num_seqs not in self.engines:
+            a = self.args
+            self.engines[max_num_seqs] = LLMEngine(
+                self.model, eos_token_id=None, block_size=a.block_size,
+                num_blocks=self.num_blocks, max_num_seqs=max_num_seqs,
+                max_model_len=self.max_len, max_num_batched_tokens=a.max_num_batched_tokens,
+                steps_per_dispatch=a.steps_per_dispatch, seed=a.seed, steps=self.steps)
+        return self.engines[max_num_seqs]
+
+    def serve(self, requests: list[Request], max_num_seqs: int, warm_up: bool = True):
+        engine = self.engine(max_num_seqs)
+        if warm_up:
+            self._serve(engine, requests)
+        return self._serve(engine, requests)
+
+    def _serve(self, engine, requests: list[Request]) -> list[Timing]:
+        from paged_jax.engine.params import SamplingParams
+
+        engine.reset_prefix_cache()  # no pass starts on blocks an earlier pass cached
+        pending = collections.deque(enumerate(requests))
+        start, timings, tag = time.perf_counter(), {}, f"{time.perf_counter_ns()}-"
+        while pending or engine.has_unfinished_requests():
+            now = time.perf_counter()
+            while pending and start + pending[0][1].arrival <= now:
+                i, r = pending.popleft()
+                engine.add_request(tag + str(i), list(r.prompt), SamplingParams(
+                    temperature=0.0, max_tokens=r.output_len, ignore_eos=True),
+                    arrival_time=start + r.arrival)
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, start + pending[0][1].arrival - time.perf_counter()))
+                continue
+            for out in engine.step():
+                if out.finished:
+                    m = out.metrics
+                    timings[int(out.request_id.removeprefix(tag))] = Timing(
+                        m.arrival_time, list(m.token_times), m.finished_time,
+                        len(out.prompt_token_ids), list(out.outputs[0].token_ids))
+        return [timings[i] for i in range(len(requests))]
+
+
+class _StepClock:
+    """A stopping criterion that never stops: it records when each generation step ends."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class StaticServer:
+    """transformers' static ``generate``: arrival-order batches of at most the batch limit."""
+
+    name = "generate"
+
+    def __init__(self, model, pad_id: int):
+        self.model, self.pad_id = model, pad_id
+
+    def serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
+        import torch
+        from transformers import GenerationConfig, StoppingCriteriaList
+
+        order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+        start, timings, k = time.perf_counter(), {}, 0
+        while k < len(order):
+            first = start + requests[order[k]].arrival
+            time.sleep(max(0.0, first - time.perf_counter()))
+            now = time.perf_counter()
+            batch = [order[k]]
+            while (len(batch) < max_num_seqs and k + len(batch) < len(order)
+                   and start + requests[order[k + len(batch)]].arrival <= now):
+                batch.append(order[k + len(batch)])
+            k += len(batch)
+            prompts = [list(requests[i].prompt) for i in batch]
+            width, new = max(map(len, prompts)), max(requests[i].output_len for i in batch)
+            ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            clock = _StepClock()
+            config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1,
+                                      pad_token_id=self.pad_id)
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=ids, attention_mask=mask,
+                                          generation_config=config,
+                                          stopping_criteria=StoppingCriteriaList([clock]))
+            end = time.perf_counter()
+            for row, i in enumerate(batch):
+                r = requests[i]
+                made = out[row, width:width + r.output_len].tolist()
+                timings[i] = Timing(start + r.arrival, clock.times[:r.output_len], end,
+                                    len(r.prompt), made)
+        return [timings[i] for i in range(len(requests))]
+
+
+class BatchServer:
+    """transformers' continuous batching (``generate_batch``'s manager), fed at arrival."""
+
+    name = "generate_batch"
+
+    def __init__(self, model, args, num_blocks: int):
+        self.model, self.args, self.num_blocks = model, args, num_blocks
+
+    def serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        a = self.args
+        config = GenerationConfig(do_sample=False, eos_token_id=-1,
+                                  max_new_tokens=max(r.output_len for r in requests))
+        cb = ContinuousBatchingConfig(
+            page_size=a.block_size, num_blocks=self.num_blocks,
+            max_batch_tokens=a.max_num_batched_tokens, max_requests_per_batch=max_num_seqs)
+        pending = collections.deque(sorted(enumerate(requests), key=lambda x: x[1].arrival))
+        timings = {}
+        with self.model.continuous_batching_context_manager(
+                generation_config=config, continuous_batching_config=cb, block=True,
+                timeout=5) as manager:
+            start = time.perf_counter()
+            while len(timings) < len(requests):
+                now = time.perf_counter()
+                while pending and start + pending[0][1].arrival <= now:
+                    i, r = pending.popleft()
+                    manager.add_request(input_ids=list(r.prompt), request_id=str(i),
+                                        max_new_tokens=r.output_len, record_timestamps=True)
+                wait = 0.05 if not pending else max(
+                    1e-3, start + pending[0][1].arrival - time.perf_counter())
+                result = manager.get_result(timeout=wait)
+                if result is None or not result.is_finished():
+                    if result is None and not manager.is_running():
+                        raise RuntimeError("transformers' continuous batching thread stopped")
+                    continue
+                if result.error is not None:
+                    raise RuntimeError(f"generate_batch request {result.request_id} failed: "
+                                       f"{result.error}")
+                i = int(result.request_id)
+                r, times = requests[i], list(result.timestamps or [])
+                timings[i] = Timing(start + r.arrival, times, max(times[-1], result.lifespan[1]),
+                                    len(r.prompt), list(result.generated_tokens))
+        return [timings[i] for i in range(len(requests))]
+
+
+def goals(results: list[dict]) -> list[str]:
+    """Lines saying, per rate and batch limit >= GOAL_MIN_SEQS, whether each goal is met."""
+    lines = []
+    by = {(r["rate"], r["max_num_seqs"], r["system"]): r for r in results}
+    for (rate, m, system), r in sorted(by.items(), key=lambda x: (str(x[0][0]), x[0][1])):
+        if system != "paged_jax":
+            continue
+        checks = []
+        if m >= GOAL_MIN_SEQS:
+            for peer, goal in (("generate_batch", GOAL_VS_BATCH), ("generate", GOAL_VS_STATIC)):
+                if (rate, m, peer) in by:
+                    x = r["output_throughput"] / by[rate, m, peer]["output_throughput"]
+                    checks.append(f"throughput {x:.2f}x {peer} (goal >= {goal}x: "
+                                  f"{'met' if x >= goal else 'not met'})")
+        peers = [by[rate, m, p]["ttft_ms"]["p50"] for p in ("generate_batch", "generate")
+                 if (rate, m, p) in by]
+        if peers:
+            ok = r["ttft_ms"]["p50"] <= min(peers)
+            checks.append(f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms vs transformers' best "
+                          f"{min(peers):.0f} ms ({'met' if ok else 'not met'})")
+        itl = r["itl_ms"]
+        if itl["p50"]:
+            x = itl["p99"] / itl["p50"]
+            checks.append(f"ITL p99/p50 {x:.2f} (goal <= {GOAL_ITL}: "
+                          f"{'met' if x <= GOAL_ITL else 'not met'})")
+        lines.append(f"rate {rate:g}, max_num_seqs {m}: " + "; ".join(checks))
+    return lines
+
+
+def table(results: list[dict]) -> str:
+    head = (f"{'rate':>5} {'seqs':>4} {'server':<15} {'done':>4} {'req/s':>6} {'out tok/s':>9} "
+            f"{'tot tok/s':>9} | {'TTFT mean/p50/p90/p99 ms':>25} | {'TPOT p50':>8} | "
+            f"{'ITL p50/p99 ms':>14} | {'E2E p50 ms':>10} | {'peak':>4} | {'same tokens':>11}")
+    rows = [head, "-" * len(head)]
+    for r in results:
+        t, i = r["ttft_ms"], r["itl_ms"]
+        itl = f"{i['p50']:.0f}/{i['p99']:.0f}" if i["p50"] is not None else "-"
+        tpot = f"{r['tpot_ms']['p50']:.1f}" if r["tpot_ms"]["p50"] is not None else "-"
+        rows.append(
+            f"{r['rate']:>5g} {r['max_num_seqs']:>4} {r['system']:<15} {r['completed']:>4} "
+            f"{r['request_throughput']:>6.2f} {r['output_throughput']:>9.1f} "
+            f"{r['total_token_throughput']:>9.1f} | "
+            f"{t['mean']:>6.0f}/{t['p50']:>5.0f}/{t['p90']:>5.0f}/{t['p99']:>5.0f} | "
+            f"{tpot:>8} | {itl:>14} | {r['e2e_ms']['p50']:>10.0f} | {r['peak_concurrency']:>4} | "
+            f"{r['greedy_agree_with_paged_jax']:>5}/{r['completed']:<5}")
+    return "\n".join(rows)
+
+
+def plot(results: list[dict], path: pathlib.Path) -> None:
+    """Median TTFT against output throughput: a line per server through its batch limits,
+    a panel per request rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["rate"] for r in results}, key=lambda x: -x)
+    fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4.2), squeeze=False)
+    for ax, rate in zip(axes[0], rates, strict=True):
+        for system in SYSTEMS:
+            pts = sorted((r["max_num_seqs"], r["output_throughput"], r["ttft_ms"]["p50"])
+                         for r in results if r["rate"] == rate and r["system"] == system)
+            if not pts:
+                continue
+            ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=system)
+            for m, x, y in pts:
+                ax.annotate(str(m), (x, y), textcoords="offset points", xytext=(4, 4),
+                            fontsize=8)
+        ax.set_title("all at once" if math.isinf(rate) else f"Poisson, {rate:g} req/s")
+        ax.set_xlabel("output throughput (tokens/s)")
+        ax.set_ylabel("median TTFT (ms)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(title="points: max_num_seqs", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plain(x):
+    """``x`` with what JSON cannot hold spelt out: an infinite rate as "inf", a path as str."""
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [plain(v) for v in x]
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return str(x) if isinstance(x, pathlib.Path) else x
+
+
+def load(model_arg):
+    """(paged_jax model, tokenizer or None, transformers model): the same f32 weights."""
+    from paged_jax.engine.bench_model import load_transformers
+    from paged_jax.engine.llm import load_model
+    from paged_jax.model.tokenizer import default_gguf_path
+
+    path = pathlib.Path(default_gguf_path() if model_arg is None else model_arg)
+    ours, tokenizer = load_model(os.fspath(path), "float32")
+    return ours, tokenizer, load_transformers(path)
+
+
+def main(argv: list[str] | None = None, loaded=None) -> int:
+    """Run the sweep; ``loaded`` is ``load(--model)``'s result when the caller has it."""
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    import jax
+    import torch
+    import transformers
+    from tqdm import tqdm
+
+    ours, tokenizer, theirs = load(args.model) if loaded is None else loaded
+    cfg = ours.config
+    reqs, where = workload(args, tokenizer, cfg.vocab_size)
+    bs = args.block_size
+    max_len = bs * math.ceil(max(len(p) + n for p, n in reqs) / bs)
+    print(f"paged-jax bench serve: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab "
+          f"{cfg.vocab_size}, f32; jax {jax.__version__} ({jax.default_backend()}), "
+          f"transformers {transformers.__version__}, torch {torch.__version__}")
+    print(f"workload: {where}; {sum(len(p) for p, _ in reqs)} prompt and "
+          f"{sum(n for _, n in reqs)} output tokens")
+    servers = {}
+    if "paged_jax" in args.systems:
+        servers["paged_jax"] = PagedServer(ours, args, max_len)
+    num_blocks = (servers["paged_jax"].num_blocks if "paged_jax" in servers else
+                  PagedServer(ours, args, max_len).num_blocks)
+    if "generate_batch" in args.systems:
+        servers["generate_batch"] = BatchServer(theirs, args, num_blocks)
+    if "generate" in args.systems:
+        pad = tokenizer.eos_token_id if tokenizer is not None else 0
+        servers["generate"] = StaticServer(theirs, pad)
+    print(f"limits: max_num_batched_tokens {args.max_num_batched_tokens}, pool {num_blocks} "
+          f"blocks of {bs} ({num_blocks * bs} token slots), paged_jax K="
+          f"{args.steps_per_dispatch}, max_model_len {max_len}", flush=True)
+    warm = [Request(reqs[0][0][:8], 2)]  # first-call overhead of the transformers paths
+    for name in ("generate_batch", "generate"):
+        if name in servers:
+            servers[name].serve(warm, 1)
+    results, tokens = [], {}
+    runs = [(rate, m, s) for rate in args.request_rate for m in args.max_num_seqs
+            for s in servers]
+    with tqdm(runs, desc="runs", unit="run") as bar:
+        for rate, m, name in bar:
+            bar.set_postfix(rate=f"{rate:g}", seqs=m, server=name)
+            arrivals = poisson_arrivals(len(reqs), rate, seed=args.seed)
+            requests = [Request(p, n, t) for (p, n), t in zip(reqs, arrivals, strict=True)]
+            timings = servers[name].serve(requests, m)
+            tokens[rate, m, name] = [t.tokens for t in timings]
+            ref = tokens.get((rate, m, "paged_jax"))
+            agree = None if ref is None else sum(
+                a == b for a, b in zip(ref, tokens[rate, m, name], strict=True))
+            results.append({"system": name, "rate": rate, "max_num_seqs": m,
+                            "greedy_agree_with_paged_jax": agree, **summarize(timings)})
+    print(table(results))
+    for line in goals(results):
+        print(line)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve.json").write_text(json.dumps(
+        plain({"workload": where, "args": vars(args), "results": results}), indent=1,
+        allow_nan=False))
+    plot(results, args.out / "serve.png")
+    print(f"wrote {args.out / 'serve.json'} and {args.out / 'serve.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
