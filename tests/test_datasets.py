@@ -84,12 +84,13 @@ def test_conversation_pair_role_modes():
     gpt_first = {"conversations": [_turn("gpt", "cut-off reply"), _turn("human", "Q1"),
                                    _turn("gpt", "A1"), _turn("human", "Q2")]}
     assert conversation_pair(gpt_first, "first-two") == ("cut-off reply", "Q1")  # vLLM's
-    assert conversation_pair(gpt_first) == ("Q1", "A1")
+    assert conversation_pair(gpt_first) == ("cut-off reply", "Q1")  # the default
+    assert conversation_pair(gpt_first, "human-gpt") == ("Q1", "A1")
     lone = {"conversations": [_turn("human", "Q"), _turn("human", "Q again")]}
-    assert conversation_pair(lone) is None
+    assert conversation_pair(lone, "human-gpt") is None
     assert conversation_pair(lone, "first-two") == ("Q", "Q again")
     assert conversation_pair({"conversations": [_turn("human", "Q")]}, "first-two") is None
-    assert conversation_pair({"conversations": []}) is None
+    assert conversation_pair({"conversations": []}, "human-gpt") is None
     with pytest.raises(ValueError, match="roles must be one of"):
         conversation_pair(lone, "gpt-first")
 

@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paged-jax bench memory", description=__doc__.splitlines()[0])
     p.add_argument("--num-requests", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0, help="the shuffle's (or --synthetic's) seed")
-    p.add_argument("--roles", default="human-gpt", choices=("human-gpt", "first-two"))
+    p.add_argument("--roles", default="first-two", choices=("first-two", "human-gpt"),
+                   help="first-two: vLLM's turns 0 and 1; human-gpt: the first human turn "
+                   "answered by gpt (see paged_jax.datasets.conversation_pair)")
     p.add_argument("--synthetic", type=int, metavar="MAX",
                    help="no ShareGPT: seeded prompt and output lengths, uniform in 4..MAX")
     p.add_argument("--pool-slots", type=int, default=32 * 2048, help="KV token slots in the pool")

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="a .gguf file or a Hugging Face directory (default: SmolLM2)")
     p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random"])
+    p.add_argument("--roles", default="first-two", choices=["first-two", "human-gpt"],
+                   help="first-two: vLLM's turns 0 and 1; human-gpt: the first human turn "
+                   "answered by gpt (see paged_jax.datasets.conversation_pair)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-output-len", type=int, default=32,
                    help="output tokens per request at most (ShareGPT's reply length, capped)")
@@ -108,13 +111,13 @@ def workload(args, tokenizer, vocab_size: int) -> tuple[list[tuple[tuple[int, ..
                          "random for a checkpoint without one")
     from paged_jax.datasets import sample_requests
 
-    sample = sample_requests(tokenizer, args.num_prompts, seed=args.seed,
+    sample = sample_requests(tokenizer, args.num_prompts, seed=args.seed, roles=args.roles,
                              max_prompt_len=args.max_prompt_len)
     reqs = [(tuple(tokenizer.encode(r.prompt, add_special_tokens=False)),
              min(r.output_len, args.max_output_len)) for r in sample.requests]
     return reqs, (
         f"ShareGPT V3: {sample.records} complete records read ({sample.gpt_first} open with a "
-        f"gpt turn: the prompt is their first human turn answered by gpt); {len(reqs)} drawn "
+        f"gpt turn; roles {sample.roles}); {len(reqs)} drawn "
         f"with seed {args.seed} (dropped on the way: {sample.too_short} too short, "
         f"{sample.too_long} too long, prompt > {args.max_prompt_len} or total > 2048); "
         f"replies capped at {args.max_output_len} tokens")
