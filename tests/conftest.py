@@ -1,6 +1,21 @@
-"""Fixtures shared across test files."""
+"""Fixtures shared across test files, and the suite's compilation cache."""
 
+import os
+import tempfile
+
+import jax
 import pytest
+
+# Many tests compile the same step over the same tiny model and pool shape (a Steps and the
+# module functions it binds lower to one program; test files share model and pool
+# configurations). JAX's persistent compilation cache lets every test process after the
+# first load such a program instead of compiling it again. It is keyed by the program and
+# the jax version, so a stale entry is never used; PAGED_JAX_TEST_CACHE names the folder
+# (default: one under the system's temporary directory, shared by the xdist workers).
+jax.config.update("jax_compilation_cache_dir", os.environ.get(
+    "PAGED_JAX_TEST_CACHE", os.path.join(tempfile.gettempdir(), "paged_jax_test_jax_cache")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(scope="session")

@@ -28,16 +28,17 @@ def tiny_dir(tmp_path_factory):
 def test_sweep_on_a_tiny_model(tiny_dir, tmp_path):
     out = tmp_path / "out"
     argv = ["--model", str(tiny_dir), "--dataset", "random", "--num-prompts", "6",
-            "--random-input-len", "24", "--max-output-len", "5", "--max-num-seqs", "1", "4",
+            "--random-input-len", "24", "--max-output-len", "5", "--max-num-seqs", "4",
             "--request-rate", "inf", "50", "--max-num-batched-tokens", "32",
-            "--steps-per-dispatch", "2", "--out", str(out)]
+            "--steps-per-dispatch", "2", "--out", str(out),
+            "--systems", *bench_serve.SYSTEMS, bench_serve.ONE_PREFILL]
     assert bench_serve.main(argv) == 0
     report = json.loads((out / "serve.json").read_text())
     assert (out / "serve.png").stat().st_size > 10_000
     results = report["results"]
     runs = {(r["rate"], r["max_num_seqs"], r["system"]) for r in results}
-    assert runs == {(rate, m, s) for rate in ("inf", 50.0) for m in (1, 4)
-                    for s in bench_serve.SYSTEMS}
+    assert runs == {(rate, 4, s) for rate in ("inf", 50.0)
+                    for s in (*bench_serve.SYSTEMS, bench_serve.ONE_PREFILL)}
     for r in results:
         assert r["completed"] == 6
         assert r["output_tokens"] == 6 * 5  # EOS ignored: exactly max-output-len each

@@ -81,7 +81,8 @@ def token_ids(outputs):
     dict(),
     dict(num_blocks=SMALL, steps_per_dispatch=3),  # preempts
     dict(enable_prefix_caching=False, steps_per_dispatch=1),
-    dict(num_blocks=SMALL, steps_per_dispatch=3, enable_prefix_caching=False),
+    dict(num_blocks=SMALL, steps_per_dispatch=3, enable_prefix_caching=False,
+         prefill_by_width=False),
 ])
 def test_greedy_outputs_equal_the_dense_reference(model, steps, reference, kwargs):
     prompts = prompts_of(LENS)
@@ -105,6 +106,35 @@ def test_greedy_outputs_equal_the_dense_reference(model, steps, reference, kwarg
     assert stats.running == stats.waiting == 0
     assert stats.blocks_used == stats.blocks_cached
     assert (stats.blocks_cached > 0) == llm.engine.enable_prefix_caching
+
+
+@pytest.mark.parametrize("by_width", [True, False])
+def test_prefill_chunks_run_one_dispatch_per_width_class(model, steps, reference, by_width):
+    """Chunks of 5, 30 and 9 tokens in one iteration: by width, a (2, 16) dispatch for the
+    short ones and a (1, 32) one for the long one (48 positions); otherwise one (4, 32)
+    dispatch (128). The outputs are the reference's either way."""
+    shapes = []
+
+    class Recording:  # the engine's Steps, recording each prefill's token shape
+        def __getattr__(self, name):
+            return getattr(steps, name)
+
+        def prefill(self, params, kv, state, tokens, *args, **kwargs):
+            shapes.append(tokens.shape)
+            return steps.prefill(params, kv, state, tokens, *args, **kwargs)
+
+    prompts = prompts_of([5, 30, 9], seed=12)
+    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=4, max_model_len=DENSE_LEN,
+                    num_blocks=64, max_num_batched_tokens=64, prefill_by_width=by_width)
+    eng.steps = Recording()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, GREEDY)
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [outs[f"r{i}"].outputs[0].token_ids for i in range(3)] == [
+        reference(p, 12) for p in prompts]
+    assert sorted(shapes) == ([(1, 32), (2, 16)] if by_width else [(4, 32)])
 
 
 def test_one_request_at_a_time_gives_the_same_outputs(model, steps, reference):

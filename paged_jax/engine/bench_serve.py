@@ -47,6 +47,9 @@ import numpy as np
 from paged_jax.engine.serve_metrics import Request, Timing, poisson_arrivals, summarize
 
 SYSTEMS = ("paged_jax", "generate_batch", "generate")
+# paged_jax with every iteration's prefill chunks in one dispatch: the baseline of
+# LLMEngine(prefill_by_width=True), on request (--systems).
+ONE_PREFILL = "paged_jax_one_prefill"
 GOAL_VS_BATCH, GOAL_VS_STATIC, GOAL_ITL = 5.0, 2.0, 3.0
 GOAL_MIN_SEQS = 16
 
@@ -73,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-dispatch", type=int, default=8)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=512)
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
+                   choices=[*SYSTEMS, ONE_PREFILL],
+                   help=f"servers to run; {ONE_PREFILL} is paged_jax with one prefill dispatch "
+                   "per iteration (LLMEngine(prefill_by_width=False))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_serve_out"))
     return p
@@ -127,16 +133,16 @@ class PagedServer:
     """paged_jax's ``LLMEngine`` over one model, one engine per batch limit (they share the
     model's compiled steps)."""
 
-    name = "paged_jax"
-
-    def __init__(self, model, args, max_len: int):
+    def __init__(self, model, args, max_len: int, prefill_by_width: bool = True,
+                 steps=None):
         from flax import nnx
 
         from paged_jax.engine.steps import Steps
         from paged_jax.kvcache import plan_blocks
 
         self.model, self.args, self.max_len = model, args, max_len
-        self.steps = Steps(nnx.split(model)[0])
+        self.prefill_by_width = prefill_by_width
+        self.steps = Steps(nnx.split(model)[0]) if steps is None else steps
         self.num_blocks = plan_blocks(model.config, args.kv_cache_mib << 20,
                                       args.block_size).num_blocks
         self.engines = {}
@@ -150,7 +156,8 @@ class PagedServer:
                 self.model, eos_token_id=None, block_size=a.block_size,
                 num_blocks=self.num_blocks, max_num_seqs=max_num_seqs,
                 max_model_len=self.max_len, max_num_batched_tokens=a.max_num_batched_tokens,
-                steps_per_dispatch=a.steps_per_dispatch, seed=a.seed, steps=self.steps)
+                steps_per_dispatch=a.steps_per_dispatch, seed=a.seed, steps=self.steps,
+                prefill_by_width=self.prefill_by_width)
         return self.engines[max_num_seqs]
 
     def serve(self, requests: list[Request], max_num_seqs: int, warm_up: bool = True):
@@ -200,7 +207,6 @@ class _StepClock:
 class StaticServer:
     """transformers' static ``generate``: arrival-order batches of at most the batch limit."""
 
-    name = "generate"
 
     def __init__(self, model, pad_id: int):
         self.model, self.pad_id = model, pad_id
@@ -243,7 +249,6 @@ class StaticServer:
 class BatchServer:
     """transformers' continuous batching (``generate_batch``'s manager), fed at arrival."""
 
-    name = "generate_batch"
 
     def __init__(self, model, args, num_blocks: int):
         self.model, self.args, self.num_blocks = model, args, num_blocks
@@ -312,12 +317,18 @@ def goals(results: list[dict]) -> list[str]:
             x = itl["p99"] / itl["p50"]
             checks.append(f"ITL p99/p50 {x:.2f} (goal <= {GOAL_ITL}: "
                           f"{'met' if x <= GOAL_ITL else 'not met'})")
+        if (rate, m, ONE_PREFILL) in by:
+            base = by[rate, m, ONE_PREFILL]
+            checks.append(
+                f"prefill by width vs one prefill dispatch: output throughput "
+                f"{r['output_throughput'] / base['output_throughput']:.2f}x, TTFT p50 "
+                f"{base['ttft_ms']['p50'] / r['ttft_ms']['p50']:.2f}x lower")
         lines.append(f"rate {rate:g}, max_num_seqs {m}: " + "; ".join(checks))
     return lines
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'rate':>5} {'seqs':>4} {'server':<15} {'done':>4} {'req/s':>6} {'out tok/s':>9} "
+    head = (f"{'rate':>5} {'seqs':>4} {'server':<21} {'done':>4} {'req/s':>6} {'out tok/s':>9} "
             f"{'tot tok/s':>9} | {'TTFT mean/p50/p90/p99 ms':>25} | {'TPOT p50':>8} | "
             f"{'ITL p50/p99 ms':>14} | {'E2E p50 ms':>10} | {'peak':>4} | {'same tokens':>11}")
     rows = [head, "-" * len(head)]
@@ -326,7 +337,7 @@ def table(results: list[dict]) -> str:
         itl = f"{i['p50']:.0f}/{i['p99']:.0f}" if i["p50"] is not None else "-"
         tpot = f"{r['tpot_ms']['p50']:.1f}" if r["tpot_ms"]["p50"] is not None else "-"
         rows.append(
-            f"{r['rate']:>5g} {r['max_num_seqs']:>4} {r['system']:<15} {r['completed']:>4} "
+            f"{r['rate']:>5g} {r['max_num_seqs']:>4} {r['system']:<21} {r['completed']:>4} "
             f"{r['request_throughput']:>6.2f} {r['output_throughput']:>9.1f} "
             f"{r['total_token_throughput']:>9.1f} | "
             f"{t['mean']:>6.0f}/{t['p50']:>5.0f}/{t['p90']:>5.0f}/{t['p99']:>5.0f} | "
@@ -346,7 +357,7 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     rates = sorted({r["rate"] for r in results}, key=lambda x: -x)
     fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4.2), squeeze=False)
     for ax, rate in zip(axes[0], rates, strict=True):
-        for system in SYSTEMS:
+        for system in (*SYSTEMS, ONE_PREFILL):
             pts = sorted((r["max_num_seqs"], r["output_throughput"], r["ttft_ms"]["p50"])
                          for r in results if r["rate"] == rate and r["system"] == system)
             if not pts:
@@ -408,10 +419,12 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
     print(f"workload: {where}; {sum(len(p) for p, _ in reqs)} prompt and "
           f"{sum(n for _, n in reqs)} output tokens")
     servers = {}
+    paged = PagedServer(ours, args, max_len)
     if "paged_jax" in args.systems:
-        servers["paged_jax"] = PagedServer(ours, args, max_len)
-    num_blocks = (servers["paged_jax"].num_blocks if "paged_jax" in servers else
-                  PagedServer(ours, args, max_len).num_blocks)
+        servers["paged_jax"] = paged
+    if ONE_PREFILL in args.systems:  # the same compiled steps, one prefill per iteration
+        servers[ONE_PREFILL] = PagedServer(ours, args, max_len, False, paged.steps)
+    num_blocks = paged.num_blocks
     if "generate_batch" in args.systems:
         servers["generate_batch"] = BatchServer(theirs, args, num_blocks)
     if "generate" in args.systems:

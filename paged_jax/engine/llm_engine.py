@@ -153,6 +153,9 @@ class LLMEngine:
       seed: the default for requests without their own.
       impl: the decode attention (``"auto"``, ``"xla"``, ``"pallas"``).
       debug: check the allocator's invariants and the host's view after every step.
+      prefill_by_width: run an iteration's prefill chunks as one dispatch per width class
+        (a power of two), so that a short chunk is not padded to the longest one's width;
+        False runs them all in one dispatch (``paged-jax bench serve`` compares the two).
       steps: the model's compiled ``Steps`` to reuse (engines over one model share their
         compiled prefill and decode through it); None builds one.
     """
@@ -162,7 +165,8 @@ class LLMEngine:
                  max_model_len: int = 1024, max_num_batched_tokens: int = 512,
                  steps_per_dispatch: int = 8, enable_prefix_caching: bool = True,
                  seed: int = 0, impl: str = "auto", kv_cache_bytes: int = DEFAULT_KV_BYTES,
-                 debug: bool = False, steps: Steps | None = None):
+                 debug: bool = False, steps: Steps | None = None,
+                 prefill_by_width: bool = True):
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_model_len", max_model_len),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -186,6 +190,7 @@ class LLMEngine:
         self.steps_per_dispatch = steps_per_dispatch
         self.enable_prefix_caching = enable_prefix_caching
         self.seed, self.impl, self.debug = seed, impl, debug
+        self.prefill_by_width = bool(prefill_by_width)
 
         graphdef, params = nnx.split(model)
         self.graphdef, self.params = graphdef, nnx.to_pure_dict(params)
@@ -465,9 +470,21 @@ class LLMEngine:
                     s.request_id, s.index, s.slot, [int(b) for b in blocks], record))
             self.state, status = self._admit_cached(self.state, ids, tables, counts)
             status.raise_if_failed()
-        width = _pow2_at_least(max(length for _, _, length in rows), MIN_PREFILL_WIDTH,
-                               self.max_num_batched_tokens)
-        nrows = _pow2_at_least(len(rows), 1, cfg.max_seqs)
+        # A prefill computes rows x width positions, padding included: one dispatch per
+        # width class, so that a short chunk is not padded to the longest one's width.
+        by_width: dict[int, list] = {}
+        widest = max(length for _, _, length in rows)
+        for row in rows:
+            length = row[2] if self.prefill_by_width else widest
+            width = _pow2_at_least(length, MIN_PREFILL_WIDTH, self.max_num_batched_tokens)
+            by_width.setdefault(width, []).append(row)
+        for width, group in by_width.items():  # in the plan's order of their first rows
+            self._prefill_group(group, width, now, touched)
+
+    def _prefill_group(self, rows, width: int, now: float, touched) -> None:
+        """One prefill dispatch of ``rows`` (``(seq, start, length)`` chunks, each at most
+        ``width`` tokens), then each finished prompt's first token."""
+        nrows = _pow2_at_least(len(rows), 1, self.cache_config.max_seqs)
         self._prefill_shapes.add((nrows, width))
         tokens = np.zeros((nrows, width), np.int32)
         slots = np.full(nrows, -1, np.int32)
