@@ -421,7 +421,7 @@ def test_steps_object_equals_the_module_functions(split_model):
         Steps(graphdef, hoist_max_bytes=-1)
 
 
-@pytest.mark.parametrize("num_steps", [1, 5, 9])
+@pytest.mark.parametrize("num_steps", [1, 9])
 def test_rows_stop_inside_the_dispatch_at_their_budget_or_stop_id(split_model, num_steps):
     """Per-row budgets and stop ids against the unrestricted run: each row emits the same
     tokens up to its end (its budget, or the first stop id, which is emitted) and -1 after;
@@ -603,9 +603,11 @@ def test_bench_baseline_is_the_same_model_and_main_runs(split_model, capsys):
     assert "paged K=1" in out and "geometric mean: K=8 / K=1" in out
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
-@pytest.mark.parametrize("max_seqs,form", [(1, "step"), (1, "scan"), (4, "scan"),
-                                           (4, "scan per step")])
+# Every form with two KV heads; with one (the size-1 dimension), the single step and the
+# batched K-step loop.
+@pytest.mark.parametrize("kv_heads,max_seqs,form", [
+    (2, 1, "step"), (2, 1, "scan"), (2, 4, "scan"), (2, 4, "scan per step"),
+    (1, 1, "step"), (1, 4, "scan")])
 def test_compiled_steps_never_copy_the_kv_buffers(kv_heads, max_seqs, form):
     """In place beyond pointer identity: the optimised HLO has no copy of a whole K/V buffer
     (nor of its per-layer flat view), in the single step or inside the K-step loop (context

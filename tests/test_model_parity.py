@@ -152,7 +152,9 @@ def test_prefill_and_decode_match_transformers(case, tmp_path):
         check_greedy(tokens[i, :NUM_STEPS], hf_ids, hf_step_logits, f"{case}[{i}]")
 
 
-@pytest.mark.parametrize("case", ["mha_bias", "gqa_sharded", "mqa", "tied"])
+# Two layouts here: the engine adds no per-layout code over the steps, which
+# test_prefill_and_decode_match_transformers checks on every layout.
+@pytest.mark.parametrize("case", ["gqa_sharded", "tied"])
 def test_llm_engine_greedy_matches_transformers_generate(case, tmp_path):
     """``LLM(model=dir)`` serving two ragged prompts together, 32 greedy tokens each, through
     the whole engine (scheduler, chunked prefill, K-step dispatches), against transformers'
