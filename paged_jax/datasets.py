@@ -90,12 +90,14 @@ ROLE_MODES = ("first-two", "human-gpt")
 @dataclasses.dataclass(frozen=True)
 class SampledRequest:
     """One benchmark request: ``prompt`` text, its token count, the reference reply's token
-    count (the number of tokens to generate) and the ShareGPT record it came from."""
+    count (the number of tokens to generate), the ShareGPT record it came from and the
+    prompt's token ids (no special tokens added)."""
 
     prompt: str
     prompt_len: int
     output_len: int
     record_id: str
+    prompt_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,16 +169,15 @@ def sample_requests(tokenizer, num_requests: int, *, seed: int = 0, roles: str =
     for start in range(0, len(order), batch):
         chunk = [pairs[i] for i in order[start:start + batch]]
         texts = [t for _, (prompt, reply) in chunk for t in (prompt, reply)]
-        lens = [len(e.ids) for e in tokenizer.backend.encode_batch(texts,
-                                                                  add_special_tokens=False)]
+        ids = [e.ids for e in tokenizer.backend.encode_batch(texts, add_special_tokens=False)]
         for j, (rid, (prompt, _)) in enumerate(chunk):
-            p, o = lens[2 * j], lens[2 * j + 1]
+            p, o = len(ids[2 * j]), len(ids[2 * j + 1])
             if p < min_len or o < min_len:
                 too_short += 1
             elif p > max_prompt_len or p + o > max_total_len:
                 too_long += 1
             else:
-                kept.append(SampledRequest(prompt, p, o, str(rid)))
+                kept.append(SampledRequest(prompt, p, o, str(rid), tuple(ids[2 * j])))
                 if len(kept) == num_requests:
                     return Sample(tuple(kept), len(records), gpt_first,
                                   len(records) - len(pairs), too_short, too_long, roles, seed)

@@ -119,6 +119,8 @@ def test_sample_requests_matches_vllm_rules(tokenizer, roles):
                              max_prompt_len=300)
     got = [(r.prompt, r.prompt_len, r.output_len, r.record_id) for r in sample.requests]
     assert got == reference_sample(tokenizer, records, 60, 7, roles, max_prompt_len=300)
+    assert all(list(r.prompt_ids) == tokenizer.encode(r.prompt, add_special_tokens=False)
+               for r in sample.requests)
     assert sample.records == 400
     assert sample.gpt_first == sum(r["conversations"][0]["from"] != "human" for r in records
                                    if r["conversations"])

@@ -119,8 +119,7 @@ def workload(args, tokenizer, vocab_size: int) -> tuple[list[tuple[tuple[int, ..
 
     sample = sample_requests(tokenizer, args.num_prompts, seed=args.seed, roles=args.roles,
                              max_prompt_len=args.max_prompt_len)
-    reqs = [(tuple(tokenizer.encode(r.prompt, add_special_tokens=False)),
-             min(r.output_len, args.max_output_len)) for r in sample.requests]
+    reqs = [(r.prompt_ids, min(r.output_len, args.max_output_len)) for r in sample.requests]
     return reqs, (
         f"ShareGPT V3: {sample.records} complete records read ({sample.gpt_first} open with a "
         f"gpt turn; roles {sample.roles}); {len(reqs)} drawn "
@@ -160,17 +159,17 @@ class PagedServer:
                 prefill_by_width=self.prefill_by_width)
         return self.engines[max_num_seqs]
 
-    def serve(self, requests: list[Request], max_num_seqs: int, warm_up: bool = True):
+    def serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
+        """Serve ``requests`` once untimed (compiling what they need), then once timed."""
         engine = self.engine(max_num_seqs)
-        if warm_up:
-            self._serve(engine, requests)
+        self._serve(engine, requests)
         return self._serve(engine, requests)
 
     def _serve(self, engine, requests: list[Request]) -> list[Timing]:
         from paged_jax.engine.params import SamplingParams
 
         engine.reset_prefix_cache()  # no pass starts on blocks an earlier pass cached
-        pending = collections.deque(enumerate(requests))
+        pending = collections.deque(sorted(enumerate(requests), key=lambda x: x[1].arrival))
         start, timings, tag = time.perf_counter(), {}, f"{time.perf_counter_ns()}-"
         while pending or engine.has_unfinished_requests():
             now = time.perf_counter()
