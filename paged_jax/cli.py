@@ -1,4 +1,4 @@
-"""The ``paged-jax`` command line: ``demo``, ``viz``, ``generate`` and ``bench``.
+"""The ``paged-jax`` command line: ``demo``, ``viz``, ``generate``, ``serve`` and ``bench``.
 
 Each subcommand imports its implementation lazily so that ``paged-jax --help`` is instant.
 """
@@ -20,6 +20,12 @@ def _viz(args: argparse.Namespace) -> int:
     from paged_jax.viz.cli import main as viz_main
 
     return viz_main(args.rest)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from paged_jax.server.cli import main as serve_main
+
+    return serve_main(args.rest)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -63,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("rest", nargs=argparse.REMAINDER, help="see `paged-jax generate --help`")
     gen.set_defaults(func=_generate)
 
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server over the engine", add_help=False
+    )
+    serve.add_argument("rest", nargs=argparse.REMAINDER, help="see `paged-jax serve --help`")
+    serve.set_defaults(func=_serve)
+
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a same-run baseline")
     bench.add_argument("what", choices=sorted(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the chosen benchmark")
@@ -78,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return _viz(argparse.Namespace(rest=argv[1:]))
     if argv[:1] == ["generate"]:
         return _generate(argparse.Namespace(rest=argv[1:]))
+    if argv[:1] == ["serve"]:
+        return _serve(argparse.Namespace(rest=argv[1:]))
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCHMARKS:
         return _bench(argparse.Namespace(what=argv[1], rest=argv[2:]))
     args = parser.parse_args(argv)

@@ -128,6 +128,8 @@ class EngineStats:
     prefix_cache_hit_rate: float
     copy_on_write_copies: int
     prefill_executables: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of them, tokens found (the hit rate is their ratio)
     finished: int = 0  # requests finished so far; the medians below are over them (seconds)
     median_ttft: float | None = None
     median_tpot: float | None = None
@@ -774,6 +776,7 @@ class LLMEngine:
                                    if self._looked_up_tokens else 0.0),
             copy_on_write_copies=self._cow_copies,
             prefill_executables=len(self._prefill_shapes),
+            prefix_cache_queries=self._looked_up_tokens, prefix_cache_hits=self._hit_tokens,
             finished=len(self.finished_metrics),
             **{f"median_{name}": _median(values) for name, values in self._latencies().items()})
 

@@ -56,8 +56,10 @@ def first_busy_step(log: RunLog) -> int:
     return next((t for t, s in enumerate(log.snapshots) if s.ref_counts.any()), 0)
 
 
-def page_data(log: RunLog) -> dict:
-    """Everything the page's script needs, JSON-ready."""
+def page_data(log: RunLog, refresh: float | None = None) -> dict:
+    """Everything the page's script needs, JSON-ready. ``refresh`` (seconds) makes a live
+    page: it opens on the last step and reloads itself every ``refresh`` seconds while the
+    last step is shown (``paged-jax serve``'s ``/blocks``)."""
     styles = owner_styles(log)
     n = log.config.num_blocks
     picture = n <= PICTURE_UP_TO
@@ -88,7 +90,8 @@ def page_data(log: RunLog) -> dict:
         "grid": grid,
         "perRow": (GRID_PER_ROW if grid else n if n <= 24 else 16),
         "cell": GRID_CELL,
-        "start": first_busy_step(log),
+        "start": log.num_steps - 1 if refresh else first_busy_step(log),
+        "refresh": refresh,
         "colors": {name: s.color for name, s in styles.items()},
         "tints": {name: tint(s.color) for name, s in styles.items()},
         "hatches": {name: s.hatch for name, s in styles.items() if s.hatch},
@@ -101,8 +104,9 @@ def page_data(log: RunLog) -> dict:
     }
 
 
-def render_html(log: RunLog) -> str:
-    data = json.dumps(page_data(log), separators=(",", ":")).replace("</", "<\\/")
+def render_html(log: RunLog, refresh: float | None = None) -> str:
+    """The page (``page_data``'s ``refresh``: a live page)."""
+    data = json.dumps(page_data(log, refresh), separators=(",", ":")).replace("</", "<\\/")
     title = html.escape(f"paged_jax block layout: {log.scenario or 'run'}")
     return TEMPLATE.replace("__TITLE__", title).replace("__DATA__", data)
 

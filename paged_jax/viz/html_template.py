@@ -402,6 +402,10 @@ document.addEventListener("keydown", (ev) => {
 });
 window.pagedJax = {show, cellXY, cell: C};  // for tests: draw a step, where block b's cell is
 show(D.start);
+// A live page (paged-jax serve's /blocks) reloads itself, from its own address, while the
+// last step is shown; a reader who stepped back keeps the step they chose.
+if (D.refresh) setInterval(() => { if (current === n - 1) location.reload(); },
+                           D.refresh * 1000);
 </script>
 </body>
 </html>

@@ -49,11 +49,20 @@ class Recorder:
 
     Every ``capture`` is one step. Events reported and notes made since the previous capture
     belong to it.
+
+    ``keep_last=N`` bounds the log for a run that never ends (a server): once it holds 2N
+    steps, the oldest are dropped down to the last N, steps renumbered from 0. The first kept
+    step then starts from its own snapshot, not the empty pool, so its events are dropped with
+    the older ones; ``dropped`` counts the steps gone.
     """
 
-    def __init__(self, scenario: str = ""):
+    def __init__(self, scenario: str = "", keep_last: int | None = None):
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be a positive int or None. Got {keep_last!r}.")
         self._log: RunLog | None = None
         self._scenario = scenario
+        self._keep_last = keep_last
+        self.dropped = 0
         self._notes: list[dict] = []
         self._reported: list[Event] = []
         self._diffed = 0
@@ -160,7 +169,17 @@ class Recorder:
             self._log = RunLog(config=snap.config, scenario=self._scenario)
         self._log.snapshots.append(snap)
         self._log.events.extend(events)
+        if self._keep_last is not None and self._log.num_steps >= 2 * self._keep_last:
+            step -= self._trim(self._log.num_steps - self._keep_last)
         return step
+
+    def _trim(self, drop: int) -> int:
+        log = self._log
+        log.snapshots = log.snapshots[drop:]
+        log.events = [dataclasses.replace(e, step=e.step - drop) for e in log.events
+                      if e.step > drop]
+        self.dropped += drop
+        return drop
 
     def capture_allocator(
         self, allocator, *, tables: Mapping[str, Sequence[int]] | None = None, title: str = ""
