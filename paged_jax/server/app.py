@@ -93,13 +93,10 @@ def _error(status: int, message: str, param: str | None = None, type_: str | Non
                         status_code=status)
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class _Guard:
     """ASGI middleware: the API key (constant-time compare) and the body size limit, checked
-    before a route runs. A chunked body is counted as it is read."""
+    before a route runs. A body without a Content-Length (chunked) is read here, up to the
+    limit, before the route sees it."""
 
     def __init__(self, app, config: ServerConfig):
         self.app, self.config = app, config
@@ -120,29 +117,28 @@ class _Guard:
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             return await self._too_large(int(length), scope, receive, send)
-        seen = 0
-        started = False
-
-        async def counted():
-            nonlocal seen
+        if length is not None:
+            return await self.app(scope, receive, send)
+        # A chunked body: read it here, up to the limit, and hand it on whole.
+        body, more = b"", True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise _TooLarge
-            return message
+            if message["type"] != "http.request":
+                return  # the client left before its body ended
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                return await self._too_large(len(body), scope, receive, send)
+        replayed = False
 
-        async def watched(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: the disconnect, when it comes
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
 
-        try:
-            await self.app(scope, counted, watched)
-        except _TooLarge:
-            if started:
-                raise
-            await self._too_large(seen, scope, receive, send)
+        await self.app(scope, replay, send)
 
     async def _too_large(self, size: int, scope, receive, send):
         await _error(413, f"The request body ({size} bytes or more) exceeds the limit of "

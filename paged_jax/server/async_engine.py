@@ -55,6 +55,7 @@ class AsyncEngine:
         self._commands: list[tuple] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop ``start`` ran on
         self.error: BaseException | None = None  # what stopped the loop, if anything did
 
     @property
@@ -65,6 +66,7 @@ class AsyncEngine:
         if self.running:
             raise RuntimeError("AsyncEngine is already running.")
         self._wake = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._loop(), name="paged_jax engine loop")
 
     async def stop(self) -> None:
@@ -96,6 +98,10 @@ class AsyncEngine:
         done = asyncio.get_running_loop().create_future()
         self._send(("call", fn, done))
         return await done
+
+    def call_from_thread(self, fn: Callable[[LLMEngine], Any], timeout: float = 60.0) -> Any:
+        """``call(fn)`` from another thread (a test, a debugger) while the loop runs."""
+        return asyncio.run_coroutine_threadsafe(self.call(fn), self.loop).result(timeout)
 
     def _send(self, command: tuple) -> None:
         if not self.running:
