@@ -21,7 +21,13 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
   the step that made it (a stopping criterion records each step), and a request finishes
   when ``generate`` returns.
 
-All three are greedy, ignore EOS and generate exactly each request's output length
+* ``paged_jax_http`` (``--http``): the same engine behind ``paged-jax serve``'s HTTP API
+  (``paged_jax.server.bench_http``): uvicorn in a background thread on 127.0.0.1, and an
+  asyncio client that streams each request at its arrival, as ``vllm bench serve`` does;
+  tokens are timed when their chunk reaches the client. ``--blocks-history`` sets the
+  server's ``/blocks`` recorder (default: ``paged-jax serve``'s).
+
+All are greedy, ignore EOS and generate exactly each request's output length
 (ShareGPT's reply length, capped at ``--max-output-len``), from the same f32 weights, on the
 same prompts and arrival times. The results go to ``--out``: ``serve.json`` (every run's
 figures) and ``serve.png`` (median TTFT against output throughput per server, one point per
@@ -29,7 +35,8 @@ batch limit, one panel per rate).
 
 Goals (issue 15): at ``max_num_seqs >= 16``, output throughput at least 5x
 ``generate_batch``'s and 2x ``generate``'s; median TTFT no worse than transformers'; ITL
-p99 at most 3x the ITL median.
+p99 at most 3x the ITL median. Issue 16: HTTP adds at most 10% to paged_jax's median TTFT
+and ITL, measured in the same run.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ SYSTEMS = ("paged_jax", "generate_batch", "generate")
 # paged_jax with every iteration's prefill chunks in one dispatch: the baseline of
 # LLMEngine(prefill_by_width=True), on request (--systems).
 ONE_PREFILL = "paged_jax_one_prefill"
-GOAL_VS_BATCH, GOAL_VS_STATIC, GOAL_ITL = 5.0, 2.0, 3.0
+HTTP = "paged_jax_http"  # paged_jax behind the HTTP server (--http)
+GOAL_VS_BATCH, GOAL_VS_STATIC, GOAL_ITL, GOAL_HTTP = 5.0, 2.0, 3.0, 0.10
 GOAL_MIN_SEQS = 16
 
 
@@ -80,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=[*SYSTEMS, ONE_PREFILL],
                    help=f"servers to run; {ONE_PREFILL} is paged_jax with one prefill dispatch "
                    "per iteration (LLMEngine(prefill_by_width=False))")
+    p.add_argument("--http", action="store_true",
+                   help=f"also run {HTTP}: paged_jax through paged-jax serve's HTTP API")
+    p.add_argument("--blocks-history", type=int, default=None,
+                   help=f"{HTTP}: the server's /blocks history (0: no recorder; default: "
+                   "paged-jax serve's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_serve_out"))
     return p
@@ -97,6 +110,8 @@ def check_args(args: argparse.Namespace) -> None:
     for m in args.max_num_seqs:
         if m < 1:
             raise ValueError(f"--max-num-seqs values must be >= 1, got {m}")
+    if args.blocks_history is not None and args.blocks_history < 0:
+        raise ValueError(f"--blocks-history must be >= 0, got {args.blocks_history}")
     for r in args.request_rate:
         if not r > 0:
             raise ValueError(f"--request-rate values must be > 0 (inf: all at once), got {r}")
@@ -323,7 +338,25 @@ def goals(results: list[dict]) -> list[str]:
                 f"{r['output_throughput'] / base['output_throughput']:.2f}x, TTFT p50 "
                 f"{base['ttft_ms']['p50'] / r['ttft_ms']['p50']:.2f}x lower")
         lines.append(f"rate {rate:g}, max_num_seqs {m}: " + "; ".join(checks))
+        if (rate, m, HTTP) in by:
+            lines.append(f"rate {rate:g}, max_num_seqs {m}: " + http_goal(r, by[rate, m, HTTP]))
     return lines
+
+
+def http_goal(paged: dict, http: dict) -> str:
+    """How much the HTTP server adds to paged_jax's median TTFT and ITL, against the goal
+    (an ITL median is None when every request came in one delivery)."""
+    within, parts = [], []
+    for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms")):
+        base, x = paged[key]["p50"], http[key]["p50"]
+        if base is None or x is None:
+            parts.append(f"{name} p50 n/a")
+            continue
+        within.append(x <= (1 + GOAL_HTTP) * base)
+        parts.append(f"{name} p50 {100 * (x / base - 1):+.1f}%")
+    ok = bool(within) and all(within)
+    return (f"HTTP vs in-process: {', '.join(parts)} (goal <= {100 * GOAL_HTTP:.0f}%: "
+            f"{'met' if ok else 'not met'})")
 
 
 def table(results: list[dict]) -> str:
@@ -356,7 +389,7 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     rates = sorted({r["rate"] for r in results}, key=lambda x: -x)
     fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4.2), squeeze=False)
     for ax, rate in zip(axes[0], rates, strict=True):
-        for system in (*SYSTEMS, ONE_PREFILL):
+        for system in (*SYSTEMS, ONE_PREFILL, HTTP):
             pts = sorted((r["max_num_seqs"], r["output_throughput"], r["ttft_ms"]["p50"])
                          for r in results if r["rate"] == rate and r["system"] == system)
             if not pts:
@@ -423,6 +456,12 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
         servers["paged_jax"] = paged
     if ONE_PREFILL in args.systems:  # the same compiled steps, one prefill per iteration
         servers[ONE_PREFILL] = PagedServer(ours, args, max_len, False, paged.steps)
+    if args.http:  # its own engines over the same compiled steps (see bench_http)
+        from paged_jax.server.bench_http import HttpServer
+        from paged_jax.server.cli import model_name
+
+        servers[HTTP] = HttpServer(ours, args, max_len, paged.steps, args.blocks_history,
+                                   model_name(args.model))
     num_blocks = paged.num_blocks
     if "generate_batch" in args.systems:
         servers["generate_batch"] = BatchServer(theirs, args, num_blocks)

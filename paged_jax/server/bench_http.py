@@ -1,0 +1,179 @@
+"""``paged-jax bench serve --http``: the serving benchmark's workload through the HTTP server.
+
+``HttpServer`` serves a list of ``Request``s the way ``PagedServer`` does, but through
+``paged-jax serve``'s app (``build_app``: the ``AsyncEngine`` loop, the Prometheus metrics
+and, by default, the ``/blocks`` recorder) run by uvicorn in a background thread on
+127.0.0.1, and an asyncio client that replays the arrivals, as ``vllm bench serve`` does:
+
+* each request is a streamed ``POST /v1/completions`` with the prompt as token ids,
+  ``temperature`` 0, ``max_tokens`` its output length, ``ignore_eos`` and
+  ``return_token_ids`` (vLLM's extensions), sent at its scheduled arrival (httpx, its SSE
+  parsed by httpx-sse);
+* a token's time is when the client parsed the chunk that carried it (a dispatch's K tokens
+  come in one chunk, one delivery); a request finishes when its ``[DONE]`` arrives; its
+  arrival is the scheduled one, as ``PagedServer`` counts it.
+
+The engines are built by a ``PagedServer`` of this server's own over the same compiled
+``Steps``: an engine and its pool per batch limit, as the in-process benchmark's, but not the
+same objects, because the app subscribes the ``/blocks`` recorder to its engine for good and
+that would then weigh on the in-process runs too. The engines have no tokenizer, as the
+in-process ones: the difference measured is the server's (its loop, SSE, the client), not
+detokenization. Each configuration is served once untimed (compiling what it needs), then
+timed; uvicorn is started before each pass and shut down after it, and the prefix cache is
+emptied in between, while nothing else holds the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+from paged_jax.engine.bench_serve import PagedServer
+from paged_jax.engine.serve_metrics import Request, Timing
+
+__all__ = ["HttpServer", "replay", "running"]
+
+START_TIMEOUT_S = 60.0
+# Seconds a stream may wait for its next chunk: the untimed pass compiles the shapes it
+# meets inside a step, which on a small CPU takes far longer than any step.
+READ_TIMEOUT_S = 900.0
+
+
+@contextlib.contextmanager
+def running(app, host: str = "127.0.0.1") -> Iterator[str]:
+    """Serve ``app`` with uvicorn in a background thread on a free port of ``host``; yields
+    the base URL (``http://host:port``) once the server accepts connections, and shuts it
+    down (lifespan included) on exit."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))  # bound here and handed over: no other process can take the port
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           lifespan="on", access_log=False))
+    failed: list[BaseException] = []
+
+    def run():
+        try:
+            server.run(sockets=[sock])
+        except BaseException as e:  # reported by the caller's thread below
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="paged_jax bench uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {host}:{port}"
+                                   + (f": {failed[0]!r}" if failed else "."))
+            time.sleep(0.01)
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(START_TIMEOUT_S)
+        sock.close()
+        if thread.is_alive():
+            raise RuntimeError(f"uvicorn on {host}:{port} did not shut down within "
+                               f"{START_TIMEOUT_S:.0f} s.")
+    if failed:
+        raise RuntimeError(f"uvicorn on {host}:{port} failed: {failed[0]!r}") from failed[0]
+
+
+async def _stream_one(client, model: str, i: int, r: Request, start: float) -> Timing:
+    from httpx_sse import aconnect_sse
+
+    await asyncio.sleep(max(0.0, start + r.arrival - time.perf_counter()))
+    body = {"model": model, "prompt": list(r.prompt), "max_tokens": r.output_len,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "stream": True}
+    times: list[float] = []
+    tokens: list[int] = []
+    finish_reason = None
+    async with aconnect_sse(client, "POST", "/v1/completions", json=body) as source:
+        if source.response.status_code != 200:
+            text = (await source.response.aread()).decode(errors="replace")
+            raise RuntimeError(f"request {i}: HTTP {source.response.status_code}: {text}")
+        async for event in source.aiter_sse():
+            now = time.perf_counter()
+            if event.data == "[DONE]":
+                break
+            chunk = json.loads(event.data)
+            if "error" in chunk:
+                raise RuntimeError(f"request {i}: the server failed: {chunk['error']}")
+            for choice in chunk["choices"]:
+                new = choice["token_ids"]
+                tokens.extend(new)
+                times.extend([now] * len(new))
+                finish_reason = choice["finish_reason"] or finish_reason
+    finish = time.perf_counter()
+    if len(tokens) != r.output_len or finish_reason != "length":
+        raise RuntimeError(f"request {i}: expected {r.output_len} tokens ending in 'length', "
+                           f"got {len(tokens)} ending in {finish_reason!r}.")
+    return Timing(start + r.arrival, times, finish, len(r.prompt), tokens)
+
+
+async def replay(base_url: str, requests: list[Request], model: str) -> list[Timing]:
+    """Stream every request from ``base_url`` at its arrival offset (seconds after the
+    replay starts), all in flight at once; their ``Timing``s, in the order of ``requests``."""
+    import httpx
+
+    timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits,
+                                 trust_env=False) as client:  # loopback: no proxy
+        start = time.perf_counter()
+        return list(await asyncio.gather(*(_stream_one(client, model, i, r, start)
+                                           for i, r in enumerate(requests))))
+
+
+class HttpServer:
+    """``paged-jax serve``'s app over paged_jax's engine, one engine and app per batch limit.
+
+    Args:
+      model, args, max_len, steps: as ``PagedServer``'s (``steps``: the compiled ``Steps``
+        to share with the in-process benchmark).
+      blocks_history: the app's ``/blocks`` history (0: no recorder); None keeps the
+        server's default, which ``paged-jax serve`` runs with.
+      model_name: the model id the app serves and the client names.
+    """
+
+    def __init__(self, model, args, max_len: int, steps=None, blocks_history: int | None = None,
+                 model_name: str = "paged_jax"):
+        if blocks_history is not None and (not isinstance(blocks_history, int)
+                                           or blocks_history < 0):
+            raise ValueError(f"blocks_history must be None or an int >= 0, got "
+                             f"{blocks_history!r}")
+        self.paged = PagedServer(model, args, max_len, steps=steps)
+        self.blocks_history, self.model_name = blocks_history, model_name
+        self.apps = {}
+
+    def app(self, max_num_seqs: int):
+        """The app over the engine of this batch limit (built once: its ``/blocks`` recorder
+        stays subscribed to the engine)."""
+        from paged_jax.server.app import ServerConfig, build_app
+
+        if max_num_seqs not in self.apps:
+            extra = {} if self.blocks_history is None else {"blocks_history":
+                                                            self.blocks_history}
+            config = ServerConfig(model_name=self.model_name, **extra)
+            self.apps[max_num_seqs] = build_app(self.paged.engine(max_num_seqs), config)
+        return self.apps[max_num_seqs]
+
+    def serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
+        """Serve ``requests`` once untimed (compiling what they need), then once timed."""
+        self._serve(requests, max_num_seqs)
+        return self._serve(requests, max_num_seqs)
+
+    def _serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
+        app = self.app(max_num_seqs)
+        # uvicorn is down: nothing else holds the engine. No pass starts on blocks an
+        # earlier pass cached.
+        self.paged.engine(max_num_seqs).reset_prefix_cache()
+        with running(app) as url:
+            return asyncio.run(replay(url, requests, self.model_name))

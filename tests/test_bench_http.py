@@ -1,0 +1,144 @@
+"""``paged-jax bench serve --http`` (``server.bench_http``) on a tiny random Llama saved by
+transformers: every request streams to completion through the real server, with the greedy
+tokens the in-process ``PagedServer`` makes for the same requests, timed where the client
+saw them; the CLI runs the system; the HTTP goal line, checked by hand."""
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from paged_jax.engine import bench_serve
+from paged_jax.engine.serve_metrics import Request
+from paged_jax.server.bench_http import HttpServer
+
+SEQS = 4
+# Arrivals far enough apart that the server takes the requests in this order (the client-side
+# test pairs each with the engine's own record by arrival order).
+SPACED = (0.0, 0.1, 0.2, 0.3, 0.4)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return path
+
+
+def _args(*extra):
+    return bench_serve.build_parser().parse_args(
+        ["--max-num-batched-tokens", "32", "--steps-per-dispatch", "2", "--kv-cache-mib", "1",
+         *extra])
+
+
+def _workload(arrivals):
+    # Prompts of 7..19 tokens and 3..6 output tokens: several chunks per prompt, K=2 dispatches.
+    return [Request(tuple((7 * i + j) % 256 for j in range(7 + 3 * i)), 3 + i % 4, t)
+            for i, t in enumerate(arrivals)]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    """Per workload (all at once, spaced): the requests, the in-process timings, the HTTP
+    timings and the HTTP engine's records of the timed pass; and the HTTP server."""
+    ours, _, _ = bench_serve.load(str(tiny_dir))
+    paged = bench_serve.PagedServer(ours, _args(), max_len=32)
+    http = HttpServer(ours, _args(), 32, steps=paged.steps)
+    out = {}
+    for name, arrivals in (("inf", (0.0,) * 6), ("spaced", SPACED)):
+        reqs = _workload(arrivals)
+        timings = http.serve(reqs, SEQS)
+        records = [m for _, m in http.paged.engine(SEQS).finished_metrics[-len(reqs):]]
+        out[name] = reqs, paged.serve(reqs, SEQS), timings, records
+    return out, http
+
+
+@pytest.mark.parametrize("workload", ["inf", "spaced"])
+def test_http_tokens_and_times(served, workload):
+    out, http = served
+    reqs, in_process, timings, _ = out[workload]
+    start = timings[0].arrival - reqs[0].arrival
+    for r, ref, t in zip(reqs, in_process, timings, strict=True):
+        assert t.tokens == ref.tokens  # greedy does not depend on the batch or the transport
+        assert len(t.tokens) == len(t.token_times) == r.output_len
+        assert t.prompt_len == len(r.prompt)
+        assert t.arrival == pytest.approx(start + r.arrival, abs=1e-9)  # the scheduled one
+        assert t.arrival < t.token_times[0]
+        assert t.token_times == sorted(t.token_times) and t.token_times[-1] <= t.finish
+    assert not http.app(SEQS).state.server.aengine.running  # uvicorn shut the loop down
+
+
+def test_times_are_the_clients(served):
+    """Each token reached the client after the engine stamped it, and a request finished
+    at the client after it finished in the engine."""
+    _, _, timings, records = served[0]["spaced"]
+    records = sorted(records, key=lambda m: m.arrival_time)
+    for t, m in zip(timings, records, strict=True):
+        assert len(m.token_times) == len(t.token_times)
+        assert t.arrival <= m.arrival_time
+        assert all(c > e for c, e in zip(t.token_times, m.token_times, strict=True))
+        assert t.finish > m.finished_time
+    # A chunk's tokens share its time, as one dispatch's share the engine's stamp.
+    for t, m in zip(timings, records, strict=True):
+        assert ([a == b for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
+                == [a == b for a, b in zip(m.token_times, m.token_times[1:], strict=False)])
+
+
+def test_a_refused_request_names_itself(served):
+    _, http = served
+    too_long = Request(tuple(range(40)), 3)  # 43 tokens > max_model_len 32
+    with pytest.raises(RuntimeError, match=r"request 1: HTTP 400"):
+        http.serve([_workload([0.0])[0], too_long], SEQS)
+    assert not http.app(SEQS).state.server.aengine.running
+
+
+def test_cli_runs_the_http_system(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_dir), "--dataset", "random", "--num-prompts", "4",
+            "--random-input-len", "16", "--max-output-len", "4", "--max-num-seqs", str(SEQS),
+            "--request-rate", "inf", "--max-num-batched-tokens", "32", "--steps-per-dispatch",
+            "2", "--kv-cache-mib", "1", "--systems", "paged_jax", "--http",
+            "--blocks-history", "0", "--out", str(out)]
+    assert bench_serve.main(argv) == 0
+    import json
+
+    results = json.loads((out / "serve.json").read_text())["results"]
+    assert [r["system"] for r in results] == ["paged_jax", bench_serve.HTTP]
+    http = results[1]
+    assert http["completed"] == 4 and http["output_tokens"] == 16
+    assert http["greedy_agree_with_paged_jax"] == 4
+    assert "rate inf, max_num_seqs 4: HTTP vs in-process: TTFT p50 " in capsys.readouterr().out
+
+
+def _result(system, ttft, itl, m=16):
+    return {"system": system, "rate": math.inf, "max_num_seqs": m, "output_throughput": 1.0,
+            "ttft_ms": {"p50": ttft}, "itl_ms": {"p50": itl, "p99": itl}}
+
+
+def test_http_goal_by_hand():
+    results = [_result("paged_jax", 200.0, 40.0), _result(bench_serve.HTTP, 210.0, 46.0),
+               _result("paged_jax", 100.0, 50.0, m=4), _result(bench_serve.HTTP, 90.0, 55.0, m=4),
+               _result("paged_jax", 100.0, None, m=1), _result(bench_serve.HTTP, 120.0, None, m=1),
+               _result(bench_serve.HTTP, 100.0, 10.0, m=8)]  # no paged_jax to compare with
+    http_lines = [x for x in bench_serve.goals(results) if "HTTP" in x]
+    # 210/200 = +5%, 46/40 = +15% > 10%; 90/100 = -10%, 55/50 = +10% (at the goal); 120/100.
+    assert http_lines == [
+        "rate inf, max_num_seqs 1: HTTP vs in-process: TTFT p50 +20.0%, ITL p50 n/a "
+        "(goal <= 10%: not met)",
+        "rate inf, max_num_seqs 4: HTTP vs in-process: TTFT p50 -10.0%, ITL p50 +10.0% "
+        "(goal <= 10%: met)",
+        "rate inf, max_num_seqs 16: HTTP vs in-process: TTFT p50 +5.0%, ITL p50 +15.0% "
+        "(goal <= 10%: not met)"]
+
+
+def test_bad_blocks_history():
+    with pytest.raises(ValueError, match="blocks-history"):
+        bench_serve.check_args(_args("--blocks-history", "-1"))
+    with pytest.raises(ValueError, match="blocks_history"):
+        HttpServer(None, _args(), 32, blocks_history=-1)
