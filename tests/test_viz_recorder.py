@@ -293,3 +293,27 @@ def test_events_explain_any_run(ops):
     for snap in pool.log.snapshots:
         assert_invariants(snap.to_state())
     assert_events_explain_snapshots(pool.log)
+
+
+def test_keep_last_bounds_the_log_to_the_newest_steps():
+    """A recorder with ``keep_last=4`` fed a 40-step run holds, after every capture, the
+    newest steps of the same run recorded whole (4..7 of them, renumbered from 0); the first
+    kept step's events, which led from a dropped snapshot, are dropped too."""
+    run = scenarios.random_run(steps=40, seed=3)
+    whole, kept = Recorder("run"), Recorder("run", keep_last=4)
+    for t, snap in enumerate(run.snapshots):
+        args = (snap.to_state(), snap.names)
+        assert whole.capture(*args, tables=snap.tables, title=snap.title) == t
+        step = kept.capture(*args, tables=snap.tables, title=snap.title)
+        log = kept.log
+        first = kept.dropped
+        assert 1 <= log.num_steps <= 7 and step == log.num_steps - 1
+        assert first + log.num_steps == t + 1
+        for mine, theirs in zip(log.snapshots, whole.log.snapshots[first:], strict=True):
+            assert mine.equals(theirs)
+        want = [(e.step - first, e.kind, e.request, e.block) for e in whole.log.events
+                if e.step > first or (first == 0 and e.step == 0)]
+        assert [(e.step, e.kind, e.request, e.block) for e in log.events] == want
+    assert kept.dropped > 0
+    with pytest.raises(ValueError, match="keep_last"):
+        Recorder(keep_last=0)
