@@ -258,16 +258,16 @@ def test_a_client_that_leaves_a_non_streamed_request_aborts_it(served):
     served.engine.add_listener(
         lambda e: finished.append(e.reason) if isinstance(e, ev.Finished) else None)
     done_before = served.aengine.call_from_thread(lambda e: len(e.finished_metrics))
-    body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 900, "temperature": 0,
+    body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 990, "temperature": 0,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        httpx.post(f"{served.url}/v1/completions", json=body, timeout=1.0)
+        httpx.post(f"{served.url}/v1/completions", json=body, timeout=0.3)
     deadline = TIMEOUT
     while served.aengine.call_from_thread(lambda e: e.has_unfinished_requests()):
         deadline -= 0.1
         assert deadline > 0, "the request was not aborted"
         asyncio.run(asyncio.sleep(0.1))
-    assert finished == ["abort"]  # it did not run to its 900 tokens
+    assert finished == ["abort"]  # it did not run to its 990 tokens
     assert served.aengine.call_from_thread(lambda e: len(e.finished_metrics)) == done_before
     idle_and_clean(served)
 
