@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import shutil
+import types
 import warnings
 
 import httpx
@@ -27,7 +28,7 @@ from paged_jax.model import ModelConfig, init_model
 from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
 from paged_jax.server.app import ServerConfig, build_app
 from paged_jax.server.metrics import delivery_gaps
-from tests.server_helpers import ServerThread
+from paged_jax.server.thread import running
 
 ENGINE = dict(block_size=16, num_blocks=1024, max_num_seqs=8, max_model_len=1024,
               max_num_batched_tokens=128, steps_per_dispatch=4)
@@ -54,11 +55,11 @@ def served(parts):
     llm.engine.add_listener(events.append)
     ref = LLM.from_model(model, tok, steps=llm.engine.steps, **ENGINE)
     app = build_app(llm.engine, ServerConfig(model_name=MODEL))
-    with ServerThread(app) as s:
-        s.engine, s.events, s.ref = llm.engine, events, ref
-        s.aengine = app.state.server.aengine
-        s.client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
-        yield s
+    with running(app) as url:
+        yield types.SimpleNamespace(
+            url=url, engine=llm.engine, events=events, ref=ref,
+            aengine=app.state.server.aengine,
+            client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0))
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -394,17 +395,17 @@ def test_api_key_and_body_limit(parts, served):
     app = build_app(llm.engine, ServerConfig(model_name=MODEL, api_key="sk-right",
                                              max_request_bytes=2048, blocks_history=0))
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
-    with ServerThread(app) as s:
-        url = f"{s.url}/v1/completions"
+    with running(app) as base:
+        url = f"{base}/v1/completions"
         assert httpx.post(url, json=body).status_code == 401
         wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer sk-wrong"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
-        assert httpx.get(f"{s.url}/metrics").status_code == 401
-        assert httpx.get(f"{s.url}/health").status_code == 200  # no key needed
+        assert httpx.get(f"{base}/metrics").status_code == 401
+        assert httpx.get(f"{base}/health").status_code == 200  # no key needed
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{s.url}/v1", api_key="sk-wrong", max_retries=0) \
+            openai.OpenAI(base_url=f"{base}/v1", api_key="sk-wrong", max_retries=0) \
                 .completions.create(**body)
-        right = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sk-right", max_retries=0)
+        right = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-right", max_retries=0)
         assert right.completions.create(**body).usage.completion_tokens == 2
         key = {"Authorization": "Bearer sk-right"}
         big = {**body, "prompt": "x" * 4000}
@@ -419,7 +420,7 @@ def test_api_key_and_body_limit(parts, served):
         assert httpx.post(url, content=chunks(), headers={
             **key, "Content-Type": "application/json"}).status_code == 413
         assert right.completions.create(**body).usage.completion_tokens == 2  # still serving
-        assert httpx.get(f"{s.url}/blocks", headers=key).status_code == 404
+        assert httpx.get(f"{base}/blocks", headers=key).status_code == 404
 
 
 def test_the_serve_command_serves_token_ids_and_reads_its_key_from_the_environment():

@@ -51,6 +51,7 @@ import time
 
 import numpy as np
 
+from paged_jax.engine.serve_baselines import BatchServer, StaticServer
 from paged_jax.engine.serve_metrics import Request, Timing, poisson_arrivals, summarize
 
 SYSTEMS = ("paged_jax", "generate_batch", "generate")
@@ -93,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks-history", type=int, default=None,
                    help=f"{HTTP}: the server's /blocks history (0: no recorder; default: "
                    "paged-jax serve's)")
+    p.add_argument("--admit-window-ms", type=float, default=None,
+                   help=f"{HTTP}: how long an idle server waits for a burst before its first "
+                   "step (default: paged-jax serve's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_serve_out"))
     return p
@@ -112,6 +116,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--max-num-seqs values must be >= 1, got {m}")
     if args.blocks_history is not None and args.blocks_history < 0:
         raise ValueError(f"--blocks-history must be >= 0, got {args.blocks_history}")
+    if args.admit_window_ms is not None and not args.admit_window_ms >= 0:
+        raise ValueError(f"--admit-window-ms must be >= 0, got {args.admit_window_ms}")
     for r in args.request_rate:
         if not r > 0:
             raise ValueError(f"--request-rate values must be > 0 (inf: all at once), got {r}")
@@ -202,107 +208,6 @@ class PagedServer:
                     timings[int(out.request_id.removeprefix(tag))] = Timing(
                         m.arrival_time, list(m.token_times), m.finished_time,
                         len(out.prompt_token_ids), list(out.outputs[0].token_ids))
-        return [timings[i] for i in range(len(requests))]
-
-
-class _StepClock:
-    """A stopping criterion that never stops: it records when each generation step ends."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        import torch
-
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-class StaticServer:
-    """transformers' static ``generate``: arrival-order batches of at most the batch limit."""
-
-
-    def __init__(self, model, pad_id: int):
-        self.model, self.pad_id = model, pad_id
-
-    def serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
-        import torch
-        from transformers import GenerationConfig, StoppingCriteriaList
-
-        order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
-        start, timings, k = time.perf_counter(), {}, 0
-        while k < len(order):
-            first = start + requests[order[k]].arrival
-            time.sleep(max(0.0, first - time.perf_counter()))
-            now = time.perf_counter()
-            batch = [order[k]]
-            while (len(batch) < max_num_seqs and k + len(batch) < len(order)
-                   and start + requests[order[k + len(batch)]].arrival <= now):
-                batch.append(order[k + len(batch)])
-            k += len(batch)
-            prompts = [list(requests[i].prompt) for i in batch]
-            width, new = max(map(len, prompts)), max(requests[i].output_len for i in batch)
-            ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-            clock = _StepClock()
-            config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1,
-                                      pad_token_id=self.pad_id)
-            with torch.inference_mode():
-                out = self.model.generate(input_ids=ids, attention_mask=mask,
-                                          generation_config=config,
-                                          stopping_criteria=StoppingCriteriaList([clock]))
-            end = time.perf_counter()
-            for row, i in enumerate(batch):
-                r = requests[i]
-                made = out[row, width:width + r.output_len].tolist()
-                timings[i] = Timing(start + r.arrival, clock.times[:r.output_len], end,
-                                    len(r.prompt), made)
-        return [timings[i] for i in range(len(requests))]
-
-
-class BatchServer:
-    """transformers' continuous batching (``generate_batch``'s manager), fed at arrival."""
-
-
-    def __init__(self, model, args, num_blocks: int):
-        self.model, self.args, self.num_blocks = model, args, num_blocks
-
-    def serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
-        from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-        a = self.args
-        config = GenerationConfig(do_sample=False, eos_token_id=-1,
-                                  max_new_tokens=max(r.output_len for r in requests))
-        cb = ContinuousBatchingConfig(
-            page_size=a.block_size, num_blocks=self.num_blocks,
-            max_batch_tokens=a.max_num_batched_tokens, max_requests_per_batch=max_num_seqs)
-        pending = collections.deque(sorted(enumerate(requests), key=lambda x: x[1].arrival))
-        timings = {}
-        with self.model.continuous_batching_context_manager(
-                generation_config=config, continuous_batching_config=cb, block=True,
-                timeout=5) as manager:
-            start = time.perf_counter()
-            while len(timings) < len(requests):
-                now = time.perf_counter()
-                while pending and start + pending[0][1].arrival <= now:
-                    i, r = pending.popleft()
-                    manager.add_request(input_ids=list(r.prompt), request_id=str(i),
-                                        max_new_tokens=r.output_len, record_timestamps=True)
-                wait = 0.05 if not pending else max(
-                    1e-3, start + pending[0][1].arrival - time.perf_counter())
-                result = manager.get_result(timeout=wait)
-                if result is None or not result.is_finished():
-                    if result is None and not manager.is_running():
-                        raise RuntimeError("transformers' continuous batching thread stopped")
-                    continue
-                if result.error is not None:
-                    raise RuntimeError(f"generate_batch request {result.request_id} failed: "
-                                       f"{result.error}")
-                i = int(result.request_id)
-                r, times = requests[i], list(result.timestamps or [])
-                timings[i] = Timing(start + r.arrival, times, max(times[-1], result.lifespan[1]),
-                                    len(r.prompt), list(result.generated_tokens))
         return [timings[i] for i in range(len(requests))]
 
 
@@ -460,7 +365,11 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
         from paged_jax.server.bench_http import HttpServer
         from paged_jax.server.cli import model_name
 
-        servers[HTTP] = HttpServer(ours, args, max_len, paged.steps, args.blocks_history,
+        options = {"blocks_history": args.blocks_history,
+                   "admit_window_s": None if args.admit_window_ms is None
+                   else args.admit_window_ms / 1000}
+        servers[HTTP] = HttpServer(ours, args, max_len, paged.steps,
+                                   {k: v for k, v in options.items() if v is not None},
                                    model_name(args.model))
     num_blocks = paged.num_blocks
     if "generate_batch" in args.systems:

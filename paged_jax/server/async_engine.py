@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,12 +44,18 @@ class AsyncEngine:
         records its latency histograms there.
       after_change: called after commands changed the engine outside a step (aborts); the
         block page records them there.
+      admit_window_s: how long the loop waits, when a request wakes it from idle, for
+        others arriving with it before it steps (0: step at once).
     """
 
     def __init__(self, engine: LLMEngine, *,
                  after_step: Callable[[list[RequestOutput]], None] | None = None,
-                 after_change: Callable[[], None] | None = None):
+                 after_change: Callable[[], None] | None = None,
+                 admit_window_s: float = 0.0):
+        if not admit_window_s >= 0:
+            raise ValueError(f"admit_window_s must be >= 0. Got {admit_window_s!r}.")
         self.engine = engine
+        self.admit_window_s = admit_window_s
         self._after_step = after_step
         self._after_change = after_change
         self._queues: dict[str, asyncio.Queue] = {}
@@ -84,7 +91,8 @@ class AsyncEngine:
         ``LLMEngine.add_request`` raises (``ValueError`` naming the problem), with the engine
         unchanged."""
         done = asyncio.get_running_loop().create_future()
-        self._send(("add", request_id, prompt, params, outputs, done))
+        # Its arrival is now, not when the loop gets to it: TTFT counts the wait for a step.
+        self._send(("add", request_id, prompt, params, time.perf_counter(), outputs, done))
         await done
 
     def abort(self, request_id: str) -> None:
@@ -136,6 +144,10 @@ class AsyncEngine:
                 self._wake.clear()
                 if not self._commands:
                     await self._wake.wait()
+                    if self.admit_window_s:
+                        # Woken from idle by the first request of what is often a burst:
+                        # let the rest reach ``add`` so that the first step takes them all.
+                        await asyncio.sleep(self.admit_window_s)
                 continue
             try:
                 outputs = await asyncio.to_thread(engine.step)
@@ -159,9 +171,9 @@ class AsyncEngine:
         for command in commands:
             kind = command[0]
             if kind == "add":
-                _, rid, prompt, params, queue, done = command
+                _, rid, prompt, params, arrival, queue, done = command
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival)
                 except Exception as e:
                     if not done.done():
                         done.set_exception(e)

@@ -26,64 +26,18 @@ emptied in between, while nothing else holds the engine.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
-import threading
 import time
-from collections.abc import Iterator
 
 from paged_jax.engine.bench_serve import PagedServer
 from paged_jax.engine.serve_metrics import Request, Timing
+from paged_jax.server.thread import running
 
-__all__ = ["HttpServer", "replay", "running"]
+__all__ = ["HttpServer", "replay"]
 
-START_TIMEOUT_S = 60.0
 # Seconds a stream may wait for its next chunk: the untimed pass compiles the shapes it
 # meets inside a step, which on a small CPU takes far longer than any step.
 READ_TIMEOUT_S = 900.0
-
-
-@contextlib.contextmanager
-def running(app, host: str = "127.0.0.1") -> Iterator[str]:
-    """Serve ``app`` with uvicorn in a background thread on a free port of ``host``; yields
-    the base URL (``http://host:port``) once the server accepts connections, and shuts it
-    down (lifespan included) on exit."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))  # bound here and handed over: no other process can take the port
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           lifespan="on", access_log=False))
-    failed: list[BaseException] = []
-
-    def run():
-        try:
-            server.run(sockets=[sock])
-        except BaseException as e:  # reported by the caller's thread below
-            failed.append(e)
-
-    thread = threading.Thread(target=run, name="paged_jax bench uvicorn", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn did not start on {host}:{port}"
-                                   + (f": {failed[0]!r}" if failed else "."))
-            time.sleep(0.01)
-        yield f"http://{host}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(START_TIMEOUT_S)
-        sock.close()
-        if thread.is_alive():
-            raise RuntimeError(f"uvicorn on {host}:{port} did not shut down within "
-                               f"{START_TIMEOUT_S:.0f} s.")
-    if failed:
-        raise RuntimeError(f"uvicorn on {host}:{port} failed: {failed[0]!r}") from failed[0]
 
 
 async def _stream_one(client, model: str, i: int, r: Request, start: float) -> Timing:
@@ -138,31 +92,28 @@ class HttpServer:
     Args:
       model, args, max_len, steps: as ``PagedServer``'s (``steps``: the compiled ``Steps``
         to share with the in-process benchmark).
-      blocks_history: the app's ``/blocks`` history (0: no recorder); None keeps the
-        server's default, which ``paged-jax serve`` runs with.
+      options: ``ServerConfig`` fields other than the model name (``blocks_history``,
+        ``admit_window_s``); what is left out keeps the default ``paged-jax serve`` runs with.
       model_name: the model id the app serves and the client names.
     """
 
-    def __init__(self, model, args, max_len: int, steps=None, blocks_history: int | None = None,
+    def __init__(self, model, args, max_len: int, steps=None, options: dict | None = None,
                  model_name: str = "paged_jax"):
-        if blocks_history is not None and (not isinstance(blocks_history, int)
-                                           or blocks_history < 0):
-            raise ValueError(f"blocks_history must be None or an int >= 0, got "
-                             f"{blocks_history!r}")
+        from paged_jax.server.app import ServerConfig
+
+        # Checked here, before anything compiles: ServerConfig names a bad field.
+        self.config = ServerConfig(model_name=model_name, **(options or {}))
         self.paged = PagedServer(model, args, max_len, steps=steps)
-        self.blocks_history, self.model_name = blocks_history, model_name
+        self.model_name = model_name
         self.apps = {}
 
     def app(self, max_num_seqs: int):
         """The app over the engine of this batch limit (built once: its ``/blocks`` recorder
         stays subscribed to the engine)."""
-        from paged_jax.server.app import ServerConfig, build_app
+        from paged_jax.server.app import build_app
 
         if max_num_seqs not in self.apps:
-            extra = {} if self.blocks_history is None else {"blocks_history":
-                                                            self.blocks_history}
-            config = ServerConfig(model_name=self.model_name, **extra)
-            self.apps[max_num_seqs] = build_app(self.paged.engine(max_num_seqs), config)
+            self.apps[max_num_seqs] = build_app(self.paged.engine(max_num_seqs), self.config)
         return self.apps[max_num_seqs]
 
     def serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
