@@ -3,13 +3,15 @@
 Bottom up: ``allocator`` (``BlockState`` and its pure ops, plus the seed's eager classes),
 ``kvcache`` (paged K/V buffers), ``kernels`` (paged attention: Pallas and XLA), ``model`` (a
 Flax NNX Llama and checkpoint loading), ``engine`` (jitted prefill and decode steps; the
-``LLMEngine`` that serves requests as they come and go; vLLM's ``LLM`` API) and ``viz``
-(event log and pictures).
+``LLMEngine`` that serves requests as they come and go; vLLM's ``LLM`` API), ``sharding``
+(tensor and data parallel over a ``jax.sharding.Mesh``) and ``viz`` (event log and
+pictures).
 """
 
-from paged_jax import allocator
+from paged_jax import allocator, sharding
 from paged_jax.allocator import *  # noqa: F403  (the allocator's public names, see its __all__)
 from paged_jax.engine import Steps, decode_step, decode_steps, prefill
+from paged_jax.engine.data_parallel import DataParallelEngine
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.params import CompletionOutput, RequestOutput, SamplingParams
@@ -33,6 +35,7 @@ __all__ = [
     "BlockPlan",
     "CheckpointError",
     "CompletionOutput",
+    "DataParallelEngine",
     "KVCache",
     "LLMEngine",
     "Llama",
@@ -53,4 +56,5 @@ __all__ = [
     "plan_blocks",
     "prefill",
     "render_layout",
+    "sharding",
 ]

@@ -12,10 +12,23 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 
+from paged_jax.engine.data_parallel import DataParallelEngine
 from paged_jax.engine.llm_engine import DEFAULT_KV_BYTES, EngineStats, LLMEngine
 from paged_jax.engine.params import RequestOutput, SamplingParams
+from paged_jax.sharding import DP, check_mesh
 
-__all__ = ["LLM", "load_model"]
+__all__ = ["LLM", "load_model", "make_engine"]
+
+
+def make_engine(model, tokenizer=None, *, mesh=None, **engine_kwargs):
+    """The engine ``LLM`` drives: an ``LLMEngine`` (tensor parallel over ``mesh``'s ``"tp"``
+    axis, if given), or a ``DataParallelEngine`` when ``mesh`` has a ``"dp"`` axis of size
+    above 1 (one engine per replica)."""
+    if mesh is not None:
+        check_mesh(mesh, allow_dp=True)
+    if mesh is not None and dict(mesh.shape).get(DP, 1) > 1:
+        return DataParallelEngine(model, tokenizer, mesh=mesh, **engine_kwargs)
+    return LLMEngine(model, tokenizer, mesh=mesh, **engine_kwargs)
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: str | None = None):
@@ -53,18 +66,19 @@ class LLM:
     ``dtype`` (``"float32"`` or ``"bfloat16"``), the pool (``block_size``, ``num_blocks``,
     None to fit ``kv_cache_bytes``), ``max_num_seqs``, ``max_num_batched_tokens``,
     ``max_model_len``, ``steps_per_dispatch`` (K), ``enable_prefix_caching`` and ``seed``;
-    the rest go to ``LLMEngine``.
+    ``mesh`` (a ``jax.sharding.Mesh``: ``"tp"`` tensor parallel, ``"dp"`` one replica per
+    row, see ``make_engine``); the rest go to ``LLMEngine``.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
                  block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 512, max_model_len: int = 1024,
                  steps_per_dispatch: int = 8, enable_prefix_caching: bool = True, seed: int = 0,
-                 kv_cache_bytes: int = DEFAULT_KV_BYTES, **engine_kwargs):
+                 kv_cache_bytes: int = DEFAULT_KV_BYTES, mesh=None, **engine_kwargs):
         weights, tokenizer = load_model(model, dtype)
         self.tokenizer = tokenizer
-        self.engine = LLMEngine(
-            weights, tokenizer, block_size=block_size, num_blocks=num_blocks,
+        self.engine = make_engine(
+            weights, tokenizer, mesh=mesh, block_size=block_size, num_blocks=num_blocks,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             steps_per_dispatch=steps_per_dispatch, enable_prefix_caching=enable_prefix_caching,
@@ -76,7 +90,7 @@ class LLM:
         """An ``LLM`` over an already loaded ``Llama`` (and tokenizer)."""
         llm = cls.__new__(cls)
         llm.tokenizer = tokenizer
-        llm.engine = LLMEngine(model, tokenizer, **engine_kwargs)
+        llm.engine = make_engine(model, tokenizer, **engine_kwargs)
         llm._next_id = 0
         return llm
 

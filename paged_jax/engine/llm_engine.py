@@ -54,6 +54,7 @@ from paged_jax.engine.scheduler import Plan, Scheduler, Sequence
 from paged_jax.engine.steps import Steps
 from paged_jax.kvcache import init_cache, plan_blocks
 from paged_jax.model.llama import Llama
+from paged_jax.sharding import auto_axes, check_model, init_sharded_cache, replicate, shard_params
 
 __all__ = ["EngineStats", "LLMEngine", "prefill_buckets"]
 
@@ -160,6 +161,11 @@ class LLMEngine:
         False runs them all in one dispatch (``paged-jax bench serve`` compares the two).
       steps: the model's compiled ``Steps`` to reuse (engines over one model share their
         compiled prefill and decode through it); None builds one.
+      mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis to run tensor parallel over its
+        devices (``paged_jax.sharding``): the params are split Megatron-style, the pool over
+        its KV heads, the ``BlockState`` replicated. A ``"dp"`` axis must have size 1 here
+        (``DataParallelEngine`` runs one engine per replica). A mesh that cannot apply raises
+        ``ValueError`` before anything is placed or compiled.
     """
 
     def __init__(self, model: Llama, tokenizer=None, *, eos_token_id: int | None = None,
@@ -168,7 +174,7 @@ class LLMEngine:
                  steps_per_dispatch: int = 8, enable_prefix_caching: bool = True,
                  seed: int = 0, impl: str = "auto", kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  debug: bool = False, steps: Steps | None = None,
-                 prefill_by_width: bool = True):
+                 prefill_by_width: bool = True, mesh=None):
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_model_len", max_model_len),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -180,6 +186,10 @@ class LLMEngine:
         max_blocks = math.ceil(max_model_len / block_size)
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int. Got {num_blocks!r}.")
+        if mesh is not None:
+            check_model(model.config, mesh)
+            mesh = auto_axes(mesh)
+        self.mesh = mesh
         self.model_config = model.config
         self.tokenizer = tokenizer
         if eos_token_id is None and tokenizer is not None:
@@ -197,13 +207,21 @@ class LLMEngine:
         graphdef, params = nnx.split(model)
         self.graphdef, self.params = graphdef, nnx.to_pure_dict(params)
         if steps is None:
-            steps = Steps(graphdef)  # the model's jitted prefill and decode
+            steps = Steps(graphdef, mesh=mesh)  # the model's jitted prefill and decode
         elif not isinstance(steps, Steps) or steps.graphdef != graphdef:
             raise ValueError("steps must be a Steps built from this model's graph "
                              "(Steps(nnx.split(model)[0])).")
+        elif steps.mesh != mesh:
+            raise ValueError(f"steps must be built on the engine's mesh ({mesh}). Got a Steps "
+                             f"on {steps.mesh}.")
         self.steps = steps
-        self.kv = init_cache(model.config, self.cache_config)
-        self.state = init_state(self.cache_config)
+        if mesh is None:
+            self.kv = init_cache(model.config, self.cache_config)
+            self.state = init_state(self.cache_config)
+        else:
+            self.params = shard_params(self.params, mesh)
+            self.kv = init_sharded_cache(model.config, self.cache_config, mesh)
+            self.state = replicate(init_state(self.cache_config), mesh)
         # The allocator ops applied between dispatches, jitted once for this engine; the
         # state is donated, so each updates the pool in place.
         self._release = jax.jit(release, donate_argnums=0)

@@ -6,6 +6,10 @@ Each takes the model's ``graphdef`` first (a static argument or closed over), th
 forward pass writing the new K/V in place, and for ``decode_steps_body`` the ``lax.scan``
 over steps with in-dispatch stops and sampling. The inputs are checked before, on the host
 (``step_inputs.py``); ``steps.py`` documents the behaviour.
+
+With a ``mesh`` (``paged_jax.sharding``), the inputs come placed on it, XLA partitions the
+model and the cache updates over ``"tp"``, the decode attention runs per shard, and the cache
+and state leave on their input shardings (``sharding.constrain``), so donation aliases them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from paged_jax.kernels import strategies
 from paged_jax.kernels.reference import gather_pages
 from paged_jax.kvcache import KVCache, copy_blocks, write
 from paged_jax.model.llama import masked_attention
+from paged_jax.sharding import constrain
 
 
 def _select(pred, on_true, on_false):
@@ -39,7 +44,7 @@ def _select(pred, on_true, on_false):
 
 
 def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState, tokens,
-                 seq_ids, num_tokens, extend, *, all_logits: bool):
+                 seq_ids, num_tokens, extend, *, all_logits: bool, mesh=None):
     """``prefill`` on checked inputs: tokens [B, T], seq_ids and num_tokens [B] int, extend
     [B] bool. Returns ``(logits, kv, state, status)``."""
     cfg = state.config
@@ -103,6 +108,7 @@ def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState,
     else:
         last = jnp.maximum(n - 1, 0)
         logits = model.logits(h[jnp.arange(batch), last])  # [B, V]
+    kv, state = constrain(kv, state, mesh)
     return logits, kv, state, status
 
 
@@ -140,7 +146,7 @@ def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, att
 
 
 def decode_step_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState, tokens,
-                     *, impl: str, interpret: bool):
+                     *, impl: str, interpret: bool, mesh=None):
     """``decode_step`` on checked inputs (tokens [max_seqs] int): one token for every active
     row. Returns ``(logits, kv, state, status)``."""
     model = nnx.merge(graphdef, params)
@@ -149,9 +155,10 @@ def decode_step_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockSt
     kv, state, status = _claim(model, kv, state, tokens, mask, 1, "decode_step")
     live = mask & status.applied
     attention_at, extra = strategies.per_step(state.block_tables, positions, impl=impl,
-                                              interpret=interpret)
+                                              interpret=interpret, mesh=mesh)
     logits, kv, _ = _forward(model, kv, state, tokens, positions, live, attention_at(0, live),
                              extra)
+    kv, state = constrain(kv, state, mesh)
     return logits, kv, state, status
 
 
@@ -159,7 +166,7 @@ def decode_steps_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockS
                       key, temperature, top_k=None, top_p=None, budgets=None, stop_ids=None,
                       seeds=None, *, num_steps: int, impl: str, interpret: bool,
                       return_logits: bool, sample: bool, filtered: bool = False,
-                      hoist_max_bytes: int = strategies.HOIST_MAX_BYTES):
+                      hoist_max_bytes: int = strategies.HOIST_MAX_BYTES, mesh=None):
     """``decode_steps`` on checked inputs (``step_inputs.decode_steps_inputs``). Returns
     ``(tokens, logits, kv, state, status)``."""
     model = nnx.merge(graphdef, params)
@@ -176,7 +183,7 @@ def decode_steps_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockS
     limit = jnp.full_like(start, num_steps) if budgets is None else budgets  # [S]
     attention_at, extra = strategies.decode_strategy(
         kv, state.block_tables, start, live, num_steps, impl=impl, interpret=interpret,
-        hoist_max_bytes=hoist_max_bytes)
+        hoist_max_bytes=hoist_max_bytes, mesh=mesh)
 
     def body(loop, xs):
         kv, extra, tokens, going = loop  # going: [S] rows that run step t
@@ -203,4 +210,5 @@ def decode_steps_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockS
     steps = (jnp.arange(num_steps, dtype=jnp.int32), keys)
     (kv, _, _, _), out = jax.lax.scan(body, (kv, extra, tokens, live), steps)
     logits = out[1] if return_logits else None
+    kv, state = constrain(kv, state, mesh)
     return out[0], logits, kv, state, status

@@ -41,6 +41,14 @@ from paged_jax.engine.step_inputs import (
 )
 from paged_jax.kernels.strategies import HOIST_MAX_BYTES
 from paged_jax.kvcache import KVCache
+from paged_jax.sharding import (
+    auto_axes,
+    check_heads,
+    check_mesh,
+    replicate,
+    shard_cache,
+    shard_params,
+)
 
 __all__ = ["DONATE", "HOIST_MAX_BYTES", "Steps", "check_cache", "decode_step", "decode_steps",
            "pad_prompts", "prefill", "step_impl"]
@@ -48,11 +56,12 @@ __all__ = ["DONATE", "HOIST_MAX_BYTES", "Steps", "check_cache", "decode_step", "
 DONATE = ("kv", "state")
 
 
-def _prefill(graphdef, params, kv, state, tokens, seq_ids, num_tokens, extend, *, all_logits):
+def _prefill(graphdef, params, kv, state, tokens, seq_ids, num_tokens, extend, *, all_logits,
+             mesh=None):
     # A def of its own so that compile logs name the prefill executables jit(_prefill) in both
     # forms (tests/test_engine.py counts prefill compilations by that name).
     return prefill_body(graphdef, params, kv, state, tokens, seq_ids, num_tokens, extend,
-                        all_logits=all_logits)
+                        all_logits=all_logits, mesh=mesh)
 
 _DECODE_STEPS_STATIC = ("num_steps", "impl", "interpret", "return_logits", "sample", "filtered",
                         "hoist_max_bytes")
@@ -77,35 +86,62 @@ class Steps:
     per dispatch (0: always per step). The jitted functions are public (``prefill_jit``,
     ``decode_step_jit``, ``decode_steps_jit``; the bodies of ``step_bodies.py`` with the
     graph bound) so a caller can ``.lower()`` them on checked inputs.
+
+    ``mesh``: a ``jax.sharding.Mesh`` with a ``"tp"`` axis (``paged_jax.sharding``; any
+    ``"dp"`` axis of size 1) to run tensor parallel: the params, cache and state must be
+    placed on it (``shard``), the decode attention runs per shard, and the cache and state
+    come back on their input shardings. A bad mesh raises ``ValueError`` here, a cache whose
+    KV heads ``tp`` does not divide at the call, before anything is traced.
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, *, hoist_max_bytes: int = HOIST_MAX_BYTES):
+    def __init__(self, graphdef: nnx.GraphDef, *, hoist_max_bytes: int = HOIST_MAX_BYTES,
+                 mesh=None):
         if not isinstance(hoist_max_bytes, int) or hoist_max_bytes < 0:
             raise ValueError(f"hoist_max_bytes must be an int >= 0. Got {hoist_max_bytes!r}.")
+        if mesh is not None:
+            check_mesh(mesh)
+            mesh = auto_axes(mesh)
         self.graphdef = graphdef
         self.hoist_max_bytes = hoist_max_bytes
+        self.mesh = mesh
         # decode_steps' key when sampling without key or seeds; made here once, since making
         # a key is a dispatch of its own.
         self.default_key = jax.random.key(0)
-        self.prefill_jit = jax.jit(functools.partial(_prefill, graphdef),
+        self.prefill_jit = jax.jit(functools.partial(_prefill, graphdef, mesh=mesh),
                                    static_argnames=("all_logits",), donate_argnames=DONATE)
-        self.decode_step_jit = jax.jit(functools.partial(decode_step_body, graphdef),
+        self.decode_step_jit = jax.jit(functools.partial(decode_step_body, graphdef, mesh=mesh),
                                        static_argnames=("impl", "interpret"),
                                        donate_argnames=DONATE)
         self.decode_steps_jit = jax.jit(
-            functools.partial(decode_steps_body, graphdef, hoist_max_bytes=hoist_max_bytes),
+            functools.partial(decode_steps_body, graphdef, hoist_max_bytes=hoist_max_bytes,
+                              mesh=mesh),
             static_argnames=_DECODE_STEPS_STATIC[:-1], donate_argnames=DONATE,
         )
+
+    def shard(self, params, kv: KVCache, state: BlockState):
+        """``(params, kv, state)`` placed on this ``Steps``' mesh: params by
+        ``sharding.param_specs`` (``params`` a pure dict), the cache over its KV heads, the
+        state replicated. Without a mesh, returned as given."""
+        if self.mesh is None:
+            return params, kv, state
+        return (shard_params(params, self.mesh), shard_cache(kv, self.mesh),
+                replicate(state, self.mesh))
+
+    def _check_mesh(self, kv: KVCache) -> None:
+        if self.mesh is not None:
+            check_heads(kv.k.shape[1], self.mesh)
 
     def prefill(self, params, kv: KVCache, state: BlockState, tokens, seq_ids, num_tokens,
                 extend=None, *, all_logits: bool = False):
         """``prefill(self.graphdef, ...)``."""
+        self._check_mesh(kv)
         args = prefill_inputs(kv, state, tokens, seq_ids, num_tokens, extend)
         return self.prefill_jit(params, kv, state, *args, all_logits=all_logits)
 
     def decode_step(self, params, kv: KVCache, state: BlockState, tokens, *, impl: str = "auto",
                     interpret: bool = False):
         """``decode_step(self.graphdef, ...)``."""
+        self._check_mesh(kv)
         check_decode_tokens(tokens, state)
         check_cache(kv, state)
         step_impl(impl, kv, state)
@@ -116,6 +152,7 @@ class Steps:
                      interpret: bool = False, return_logits: bool = False, budgets=None,
                      stop_ids=None, seeds=None):
         """``decode_steps(self.graphdef, ..., hoist_max_bytes=self.hoist_max_bytes)``."""
+        self._check_mesh(kv)
         args, static = decode_steps_inputs(
             kv, state, tokens, key, temperature, top_k, top_p, num_steps=num_steps, impl=impl,
             budgets=budgets, stop_ids=stop_ids, seeds=seeds, default_key=self.default_key)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from paged_jax.kernels.pallas_decode import paged_attention, resolve_impl
 from paged_jax.kernels.reference import attend_segments, gather_context
+from paged_jax.sharding import per_head_shard
 
 # The default for decode_strategy's hoist_max_bytes: above this many bytes of gathered context
 # (keys and values of every layer), the xla K-step path gathers per step instead of once per
@@ -31,9 +32,11 @@ from paged_jax.kernels.reference import attend_segments, gather_context
 HOIST_MAX_BYTES = 256 << 20
 
 
-def paged_step(block_tables, context_lens, *, impl: str, interpret: bool):
+def paged_step(block_tables, context_lens, *, impl: str, interpret: bool, mesh=None):
     """The attention of one step over the pool: ``paged_attention`` of each row's first
-    ``context_lens`` tokens (the new one included), no extra state.
+    ``context_lens`` tokens (the new one included), no extra state. With a ``mesh``, each tp
+    shard attends its own heads over its own pages (``sharding.per_head_shard``): XLA cannot
+    partition the Pallas kernel, and the xla path needs no communication either.
 
     Args:
       block_tables: [S, max_blocks_per_seq] int32.
@@ -43,23 +46,26 @@ def paged_step(block_tables, context_lens, *, impl: str, interpret: bool):
     def attention(layer, q, k, v, kv, extra):
         # The whole cache and the layer index, not kv.k[layer]: the kernel reads the layer
         # in place, where a slice would be copied before the Pallas call.
-        out = paged_attention(
-            q, kv.k, kv.v, block_tables, context_lens,
-            impl=impl, interpret=interpret, layer=layer,
-        )  # [S, Hq, D]
-        return out, extra
+        def attend(q, k_pages, v_pages, tables, lens):  # q [S, Hq, D] -> [S, Hq, D]
+            return paged_attention(q, k_pages, v_pages, tables, lens, impl=impl,
+                                   interpret=interpret, layer=layer)
+
+        if mesh is not None:
+            attend = per_head_shard(attend, mesh)
+        return attend(q, kv.k, kv.v, block_tables, context_lens), extra
 
     return attention
 
 
-def per_step(block_tables, start, *, impl: str, interpret: bool):
+def per_step(block_tables, start, *, impl: str, interpret: bool, mesh=None):
     """Every step gathers and attends over the pool: step ``t`` of row ``r`` reads its
     ``start[r] + t + 1`` tokens. ``block_tables`` [S, M] int32, ``start`` [S] int32 (each
-    row's length before the dispatch). Returns ``(attention_at, ())``."""
+    row's length before the dispatch); ``mesh`` as in ``paged_step``. Returns
+    ``(attention_at, ())``."""
 
     def attention_at(t, live_t):
         lens = jnp.where(live_t, start + t + 1, 0)  # [S]
-        return paged_step(block_tables, lens, impl=impl, interpret=interpret)
+        return paged_step(block_tables, lens, impl=impl, interpret=interpret, mesh=mesh)
 
     return attention_at, ()
 
@@ -113,14 +119,16 @@ def hoisted_bytes(kv, block_tables) -> int:
 
 
 def decode_strategy(kv, block_tables, start, live, num_steps: int, *, impl: str,
-                    interpret: bool, hoist_max_bytes: int = HOIST_MAX_BYTES):
+                    interpret: bool, hoist_max_bytes: int = HOIST_MAX_BYTES, mesh=None):
     """The strategy a dispatch of ``num_steps`` runs: ``hoisted`` on the xla path (``impl``
     "xla", or "auto" off GPU) when ``num_steps > 1`` and ``hoisted_bytes`` is at most
     ``hoist_max_bytes``, ``per_step`` otherwise. The results are the same either way, up to
-    float summation order. Returns ``(attention_at, extra)``."""
+    float summation order. With a ``mesh``, ``hoisted`` is partitioned by XLA (its gathers
+    and softmax are per head) and ``per_step`` runs per shard (``paged_step``). Returns
+    ``(attention_at, extra)``."""
     resolved = resolve_impl(impl, batch=block_tables.shape[0], head_dim=kv.k.shape[-1],
                             block_size=kv.k.shape[3])
     if (num_steps > 1 and resolved == "xla"
             and hoisted_bytes(kv, block_tables) <= hoist_max_bytes):
         return hoisted(kv, block_tables, start, live, num_steps)
-    return per_step(block_tables, start, impl=impl, interpret=interpret)
+    return per_step(block_tables, start, impl=impl, interpret=interpret, mesh=mesh)
