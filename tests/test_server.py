@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from paged_jax.engine import events as ev
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.params import SamplingParams
+from paged_jax.engine.warmup import prefill_shapes
 from paged_jax.model import ModelConfig, init_model
 from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
 from paged_jax.server.app import ServerConfig, build_app
@@ -424,8 +425,9 @@ def test_api_key_and_body_limit(parts, served):
 
 
 def test_the_serve_command_serves_token_ids_and_reads_its_key_from_the_environment():
-    """``paged-jax serve --model tiny`` as a user starts it: a random model without a
-    tokenizer takes token ids; PAGED_JAX_API_KEY guards it."""
+    """``paged-jax serve --model tiny --warmup`` as a user starts it: it compiles before it
+    listens; a random model without a tokenizer takes token ids; PAGED_JAX_API_KEY guards
+    it."""
     import re
     import subprocess
     import sys
@@ -433,7 +435,8 @@ def test_the_serve_command_serves_token_ids_and_reads_its_key_from_the_environme
 
     env = {**os.environ, "PAGED_JAX_API_KEY": "sk-env", "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-m", "paged_jax.cli", "serve", "--model", "tiny", "--port", "0",
-           "--max-model-len", "64", "--kv-cache-mib", "4", "--max-num-seqs", "2"]
+           "--max-model-len", "64", "--kv-cache-mib", "4", "--max-num-seqs", "2",
+           "--max-num-batched-tokens", "32", "--warmup"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
@@ -445,6 +448,7 @@ def test_the_serve_command_serves_token_ids_and_reads_its_key_from_the_environme
             if found or (not line and proc.poll() is not None):
                 break
         assert found, "".join(seen)
+        assert f"compiled {len(prefill_shapes(2, 32))} prefill shapes" in "".join(seen)
         url, key = found.group(1), {"Authorization": "Bearer sk-env"}
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/v1/models", headers=key).json()["data"][0]["id"] == "tiny"

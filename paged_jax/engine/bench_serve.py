@@ -8,8 +8,9 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
 
 * ``paged_jax``: an ``LLMEngine`` stepped in this process. A request joins the running batch
   at the first iteration after it arrives; prefill is chunked to ``--max-num-batched-tokens``
-  tokens per iteration; decode runs ``--steps-per-dispatch`` steps per dispatch. Each
-  configuration is served once untimed first, so that the timed pass runs on compiled
+  tokens per iteration; decode runs ``--steps-per-dispatch`` steps per dispatch. Each engine
+  first compiles every prefill shape it can dispatch (``engine.warmup.warm_up``); each
+  configuration is then served once untimed, so that the timed pass runs on compiled
   executables, and the prefix cache is emptied before the timed pass.
 * ``generate_batch``: transformers' continuous batching (its paged cache, a background
   thread), fed the same arrivals through its manager's ``add_request``, with
@@ -53,6 +54,7 @@ import numpy as np
 
 from paged_jax.engine.serve_baselines import BatchServer, StaticServer
 from paged_jax.engine.serve_metrics import Request, Timing, poisson_arrivals, summarize
+from paged_jax.engine.warmup import warm_up
 
 SYSTEMS = ("paged_jax", "generate_batch", "generate")
 # paged_jax with every iteration's prefill chunks in one dispatch: the baseline of
@@ -178,6 +180,9 @@ class PagedServer:
                 max_model_len=self.max_len, max_num_batched_tokens=a.max_num_batched_tokens,
                 steps_per_dispatch=a.steps_per_dispatch, seed=a.seed, steps=self.steps,
                 prefill_by_width=self.prefill_by_width)
+            # Every prefill shape it can meet, compiled now: which ones a run meets depends
+            # on the arrival order, which an HTTP client does not keep from pass to pass.
+            warm_up(self.engines[max_num_seqs], progress=False)
         return self.engines[max_num_seqs]
 
     def serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
     p.add_argument("--blocks-history", type=int, default=256,
                    help="engine steps the /blocks page keeps (0: no page)")
+    p.add_argument("--warmup", action="store_true",
+                   help="compile every prefill shape and the greedy decode before serving, so "
+                   "that no request waits for a compilation (minutes for a real model on a CPU)")
     p.add_argument("--admit-window-ms", type=float, default=5.0,
                    help="when a request wakes an idle engine, wait this long for the requests "
                    "arriving with it before the first step")
@@ -78,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
               steps_per_dispatch=args.steps_per_dispatch,
               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
               kv_cache_bytes=args.kv_cache_mib << 20)
+    if args.warmup:
+        from paged_jax.engine.warmup import warm_up
+
+        shapes = warm_up(llm.engine)
+        print(f"compiled {shapes} prefill shapes and the greedy decode", flush=True)
     print(f"paged-jax serve: {config.model_name} on http://{args.host}:{args.port} "
           f"({llm.engine.cache_config.num_blocks} blocks of {args.block_size}, "
           f"max_num_seqs {args.max_num_seqs}; API key {'on' if args.api_key else 'off'})",

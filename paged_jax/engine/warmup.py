@@ -1,0 +1,69 @@
+"""``warm_up(engine)``: compile, before serving, every prefill shape an engine can dispatch and
+its greedy decode, so that no request waits for a compilation.
+
+The engine compiles a step the first time it meets its shape. Which prefill shapes a run
+meets depends on which chunks land in one iteration, and so on the order requests arrive in:
+a server fed by many clients meets shapes that a warm-up pass of the same workload did not,
+and a request then waits for a compilation (seconds for a real model on a CPU) in the middle
+of serving. ``warm_up`` runs each shape once on padding rows, which change neither the cache
+nor the allocator's state.
+
+Shapes (``prefill_shapes``): with ``prefill_by_width``, an iteration's chunks of more than
+``w / 2`` tokens (``w > 16``) go in width class ``w``, so at most ``max_num_batched_tokens //
+(w / 2 + 1)`` of them share its dispatch; the 16-wide class holds up to ``max_num_seqs``.
+Rows are padded to a power of two. Without it, every ``prefill_buckets`` pair can occur.
+Decode is warmed for greedy requests with one stop id (EOS); sampled requests and longer
+stop lists compile on first use.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paged_jax.engine.llm_engine import MIN_PREFILL_WIDTH, LLMEngine, prefill_buckets
+
+__all__ = ["prefill_shapes", "warm_up"]
+
+
+def _pow2_at_least(n: int, low: int, high: int) -> int:
+    return min(max(low, 1 << max(n - 1, 0).bit_length()), high)
+
+
+def prefill_shapes(max_num_seqs: int, max_num_batched_tokens: int,
+                   by_width: bool = True) -> list[tuple[int, int]]:
+    """Every ``(rows, width)`` an engine with these limits can dispatch a prefill in."""
+    buckets = prefill_buckets(max_num_seqs, max_num_batched_tokens)
+    if not by_width:
+        return buckets
+    out = []
+    for rows, width in buckets:
+        most = max_num_seqs if width == MIN_PREFILL_WIDTH else min(
+            max_num_seqs, max_num_batched_tokens // (width // 2 + 1))
+        if rows <= _pow2_at_least(most, 1, max_num_seqs):
+            out.append((rows, width))
+    return out
+
+
+def warm_up(engine: LLMEngine, progress: bool = True) -> int:
+    """Compile ``engine``'s prefill shapes and its greedy decode dispatch; returns how many
+    prefill shapes were run. Call it before the first request (it runs on padding rows and
+    leaves the engine as it was)."""
+    from tqdm import tqdm
+
+    if engine.has_unfinished_requests():
+        raise RuntimeError("warm_up runs before serving: the engine has unfinished requests.")
+    shapes = prefill_shapes(engine.cache_config.max_seqs, engine.max_num_batched_tokens,
+                            engine.prefill_by_width)
+    for rows, width in tqdm(shapes, desc="compiling prefill shapes", disable=not progress):
+        # Padding rows (slot -1) are skipped: nothing is admitted, written or allocated.
+        _, engine.kv, engine.state, status = engine.steps.prefill(
+            engine.params, engine.kv, engine.state, np.zeros((rows, width), np.int32),
+            np.full(rows, -1, np.int32), np.zeros(rows, np.int32), np.zeros(rows, bool))
+        status.raise_if_failed()
+    s = engine.cache_config.max_seqs
+    _, _, engine.kv, engine.state, status = engine.steps.decode_steps(
+        engine.params, engine.kv, engine.state, np.zeros(s, np.int32), None, 0.0, top_k=0,
+        top_p=1.0, num_steps=engine.steps_per_dispatch, impl=engine.impl,
+        budgets=np.zeros(s, np.int32), stop_ids=np.full((s, 1), -1, np.int32), seeds=None)
+    status.raise_if_failed()
+    return len(shapes)
