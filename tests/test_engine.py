@@ -7,6 +7,7 @@ caching on or off, K = 1, 3 or 8 steps per dispatch, and each of n = 3 completio
 from __future__ import annotations
 
 import logging
+import time
 
 import jax
 import numpy as np
@@ -423,3 +424,34 @@ def test_events_name_every_block_the_engine_stores_removes_and_clears(model, ste
     assert isinstance(seen[-1], ev.AllBlocksCleared)
     stats = eng.stats()
     assert stats.blocks_cached == 0 and stats.blocks_used == 0
+
+
+def test_tokens_are_timed_when_the_step_that_made_them_returns(model, steps):
+    """A step that runs a prefill (first tokens) and a decode dispatch delivers both when it
+    returns: every token it made, the first-token and finish times carry one time, between
+    the call and the return (the first token's TTFT includes the decode that followed)."""
+    engine = LLMEngine(model, steps=steps, block_size=16, num_blocks=64, max_num_seqs=4,
+                       max_model_len=128, max_num_batched_tokens=32, steps_per_dispatch=4,
+                       eos_token_id=None)
+    engine.add_request("a", list(range(1, 9)), SamplingParams(temperature=0.0, max_tokens=9))
+    seen, mixed = {}, 0
+    while engine.has_unfinished_requests() or not seen:
+        if len(seen) == 1 and "b" not in engine.requests and "b" not in seen:
+            engine.add_request("b", list(range(3, 20)), SamplingParams(temperature=0.0,
+                                                                       max_tokens=6))
+        before = time.perf_counter()
+        outs = engine.step()
+        after = time.perf_counter()
+        stamps = set()
+        for out in outs:
+            m, old = out.metrics, seen.get(out.request_id, 0)
+            stamps |= set(m.token_times[old:])
+            seen[out.request_id] = len(m.token_times)
+            if old == 0:
+                assert m.first_token_time == m.token_times[0]
+            if out.finished:
+                assert m.finished_time == m.token_times[-1]
+        assert len(stamps) == 1 and before < stamps.pop() < after
+        mixed += len(outs) == 2 and any(len(o.outputs[0].token_ids) == 1 for o in outs)
+    assert mixed  # some step gave b its first token and a its decoded ones
+    assert seen == {"a": 9, "b": 6}

@@ -74,6 +74,22 @@ def prefill_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[tupl
     return [(r, w) for r in rows for w in widths]
 
 
+_UNDELIVERED = math.nan  # a token time, until the step that made it returns
+
+
+def _stamp(metrics: RequestMetrics, delivered: float) -> None:
+    """Give the times ``_emit`` left undelivered (this step's) the step's return time."""
+    times = metrics.token_times
+    i = len(times)
+    while i and math.isnan(times[i - 1]):
+        i -= 1
+    times[i:] = [delivered] * (len(times) - i)
+    if metrics.first_token_time is not None and math.isnan(metrics.first_token_time):
+        metrics.first_token_time = delivered
+    if metrics.finished_time is not None and math.isnan(metrics.finished_time):
+        metrics.finished_time = delivered
+
+
 def _median(values: list[float]) -> float | None:
     return float(np.median(values)) if values else None
 
@@ -434,6 +450,11 @@ class LLMEngine:
             slots={s.slot: (s.request_id, s.index) for s in self.scheduler.running},
             prefill_tokens=sum(n for _, _, n in plan.prefill), decode_rows=len(plan.decode),
             copies=self._cow_copies - copies))
+        # Tokens reach the caller when step() returns, not when their dispatch ended: a
+        # prompt's first token waits for the decode dispatch that follows its prefill.
+        delivered = time.perf_counter()
+        for req in touched.values():
+            _stamp(req.metrics, delivered)
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():  # a finished request is reported once, then forgotten
             if req.finished:
@@ -629,7 +650,7 @@ class LLMEngine:
     def _emit(self, seq: Sequence, new: list[int], touched) -> None:
         """Append ``new`` tokens to ``seq``, finish it if it ended, enter its full blocks."""
         req = self.requests[seq.request_id]
-        now = time.perf_counter()
+        now = _UNDELIVERED  # stamped when step() returns (_stamp)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         p = req.params

@@ -103,7 +103,9 @@ class CompletionOutput:
 @dataclasses.dataclass
 class RequestMetrics:
     """Wall-clock times (``time.perf_counter`` seconds) of a request's life. ``token_times``
-    holds when each new token reached the host (every completion's, in order)."""
+    holds when each new token was delivered: when the ``LLMEngine.step`` that made it
+    returned (every completion's, in order). A step's tokens share its time, and the first
+    token's time (TTFT) includes the decode dispatch that ran after its prefill."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
