@@ -96,9 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks-history", type=int, default=None,
                    help=f"{HTTP}: the server's /blocks history (0: no recorder; default: "
                    "paged-jax serve's)")
-    p.add_argument("--admit-window-ms", type=float, default=None,
-                   help=f"{HTTP}: how long an idle server waits for a burst before its first "
-                   "step (default: paged-jax serve's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_serve_out"))
     return p
@@ -118,8 +115,6 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--max-num-seqs values must be >= 1, got {m}")
     if args.blocks_history is not None and args.blocks_history < 0:
         raise ValueError(f"--blocks-history must be >= 0, got {args.blocks_history}")
-    if args.admit_window_ms is not None and not args.admit_window_ms >= 0:
-        raise ValueError(f"--admit-window-ms must be >= 0, got {args.admit_window_ms}")
     for r in args.request_rate:
         if not r > 0:
             raise ValueError(f"--request-rate values must be > 0 (inf: all at once), got {r}")
@@ -370,9 +365,7 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
         from paged_jax.server.bench_http import HttpServer
         from paged_jax.server.cli import model_name
 
-        options = {"blocks_history": args.blocks_history,
-                   "admit_window_s": None if args.admit_window_ms is None
-                   else args.admit_window_ms / 1000}
+        options = {"blocks_history": args.blocks_history}
         servers[HTTP] = HttpServer(ours, args, max_len, paged.steps,
                                    {k: v for k, v in options.items() if v is not None},
                                    model_name(args.model))

@@ -65,9 +65,6 @@ class ServerConfig:
       max_request_bytes: the largest request body accepted (413 above it).
       blocks_history: steps the ``/blocks`` page keeps (0: no page, nothing recorded).
       blocks_refresh_s: how often the page reloads itself while it shows the newest step.
-      admit_window_s: when a request wakes an idle engine, how long the loop waits for the
-        requests arriving with it, so that the first step takes the whole burst (as an
-        in-process caller adds a batch before it steps).
     """
 
     model_name: str
@@ -75,7 +72,6 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     blocks_history: int = 256
     blocks_refresh_s: float = 2.0
-    admit_window_s: float = 0.005
 
     def __post_init__(self):
         if not self.model_name:
@@ -88,9 +84,6 @@ class ServerConfig:
         if not isinstance(self.blocks_history, int) or self.blocks_history < 0:
             raise ValueError(f"blocks_history must be an int >= 0. Got "
                              f"{self.blocks_history!r}.")
-        if not self.admit_window_s >= 0:
-            raise ValueError(f"admit_window_s must be >= 0 seconds. Got "
-                             f"{self.admit_window_s!r}.")
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str | None = None,
@@ -180,8 +173,7 @@ class _Server:
         self.blocks = (LiveBlocks(engine, config.blocks_history, config.blocks_refresh_s)
                        if config.blocks_history else None)
         self.aengine = AsyncEngine(engine, after_step=self.metrics.observe,
-                                   after_change=self.blocks.flush if self.blocks else None,
-                                   admit_window_s=config.admit_window_s)
+                                   after_change=self.blocks.flush if self.blocks else None)
         self.created = int(time.time())
 
     # -- requests -----------------------------------------------------------------------------

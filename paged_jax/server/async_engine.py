@@ -44,18 +44,12 @@ class AsyncEngine:
         records its latency histograms there.
       after_change: called after commands changed the engine outside a step (aborts); the
         block page records them there.
-      admit_window_s: how long the loop waits, when a request wakes it from idle, for
-        others arriving with it before it steps (0: step at once).
     """
 
     def __init__(self, engine: LLMEngine, *,
                  after_step: Callable[[list[RequestOutput]], None] | None = None,
-                 after_change: Callable[[], None] | None = None,
-                 admit_window_s: float = 0.0):
-        if not admit_window_s >= 0:
-            raise ValueError(f"admit_window_s must be >= 0. Got {admit_window_s!r}.")
+                 after_change: Callable[[], None] | None = None):
         self.engine = engine
-        self.admit_window_s = admit_window_s
         self._after_step = after_step
         self._after_change = after_change
         self._queues: dict[str, asyncio.Queue] = {}
@@ -144,10 +138,6 @@ class AsyncEngine:
                 self._wake.clear()
                 if not self._commands:
                     await self._wake.wait()
-                    if self.admit_window_s:
-                        # Woken from idle by the first request of what is often a burst:
-                        # let the rest reach ``add`` so that the first step takes them all.
-                        await asyncio.sleep(self.admit_window_s)
                 continue
             try:
                 outputs = await asyncio.to_thread(engine.step)

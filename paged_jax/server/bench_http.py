@@ -92,8 +92,8 @@ class HttpServer:
     Args:
       model, args, max_len, steps: as ``PagedServer``'s (``steps``: the compiled ``Steps``
         to share with the in-process benchmark).
-      options: ``ServerConfig`` fields other than the model name (``blocks_history``,
-        ``admit_window_s``); what is left out keeps the default ``paged-jax serve`` runs with.
+      options: ``ServerConfig`` fields other than the model name (``blocks_history``); what
+        is left out keeps the default ``paged-jax serve`` runs with.
       model_name: the model id the app serves and the client names.
     """
 

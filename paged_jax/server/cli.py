@@ -46,9 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action="store_true",
                    help="compile every prefill shape and the greedy decode before serving, so "
                    "that no request waits for a compilation (minutes for a real model on a CPU)")
-    p.add_argument("--admit-window-ms", type=float, default=5.0,
-                   help="when a request wakes an idle engine, wait this long for the requests "
-                   "arriving with it before the first step")
     return p
 
 
@@ -73,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = ServerConfig(model_name=args.served_model_name or model_name(args.model),
                           api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                          blocks_history=args.blocks_history,
-                          admit_window_s=args.admit_window_ms / 1000)
+                          blocks_history=args.blocks_history)
     llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
