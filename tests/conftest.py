@@ -29,6 +29,23 @@ def smollm2():
 
     return Models.load(default_gguf_path())
 
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    """A tiny random Llama saved by transformers (no tokenizer; vocabulary 256): the serving
+    benchmarks' tests load it into both paged_jax and transformers."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return path
+
+
 # tests/sharded needs 8 devices, which XLA_FLAGS must make before jax starts: it runs in a
 # subprocess of its own (tests/test_sharding.py sets PAGED_JAX_SHARDED_TESTS=1 there), and its
 # own conftest fails the run if the devices are missing.

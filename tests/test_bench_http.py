@@ -6,8 +6,6 @@ saw them; the CLI runs the system; the HTTP goal line, checked by hand."""
 import math
 
 import pytest
-import torch
-import transformers
 
 from paged_jax.engine import bench_serve
 from paged_jax.engine.serve_metrics import Request
@@ -17,18 +15,6 @@ SEQS = 4
 # Arrivals far enough apart that the server takes the requests in this order (the client-side
 # test pairs each with the engine's own record by arrival order).
 SPACED = (0.0, 0.1, 0.2, 0.3, 0.4)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return path
 
 
 def _args(*extra):
@@ -44,10 +30,10 @@ def _workload(arrivals):
 
 
 @pytest.fixture(scope="module")
-def served(tiny_dir):
+def served(tiny_hf_dir):
     """Per workload (all at once, spaced): the requests, the in-process timings, the HTTP
     timings and the HTTP engine's records of the timed pass; and the HTTP server."""
-    ours, _, _ = bench_serve.load(str(tiny_dir))
+    ours, _, _ = bench_serve.load(str(tiny_hf_dir))
     paged = bench_serve.PagedServer(ours, _args(), max_len=32)
     http = HttpServer(ours, _args(), 32, steps=paged.steps)
     out = {}
@@ -98,9 +84,9 @@ def test_a_refused_request_names_itself(served):
     assert not http.app(SEQS).state.server.aengine.running
 
 
-def test_cli_runs_the_http_system(tiny_dir, tmp_path, capsys):
+def test_cli_runs_the_http_system(tiny_hf_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["--model", str(tiny_dir), "--dataset", "random", "--num-prompts", "4",
+    argv = ["--model", str(tiny_hf_dir), "--dataset", "random", "--num-prompts", "4",
             "--random-input-len", "16", "--max-output-len", "4", "--max-num-seqs", str(SEQS),
             "--request-rate", "inf", "--max-num-batched-tokens", "32", "--steps-per-dispatch",
             "2", "--kv-cache-mib", "1", "--systems", "paged_jax", "--http",

@@ -7,27 +7,14 @@ import math
 
 import pytest
 import torch
-import transformers
 
 from paged_jax.engine import bench_serve
 from paged_jax.engine.serve_metrics import Request
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return path
-
-
-def test_sweep_on_a_tiny_model(tiny_dir, tmp_path):
+def test_sweep_on_a_tiny_model(tiny_hf_dir, tmp_path):
     out = tmp_path / "out"
-    argv = ["--model", str(tiny_dir), "--dataset", "random", "--num-prompts", "6",
+    argv = ["--model", str(tiny_hf_dir), "--dataset", "random", "--num-prompts", "6",
             "--random-input-len", "24", "--max-output-len", "5", "--max-num-seqs", "4",
             "--request-rate", "inf", "50", "--max-num-batched-tokens", "32",
             "--steps-per-dispatch", "2", "--out", str(out)]
@@ -50,9 +37,9 @@ def test_sweep_on_a_tiny_model(tiny_dir, tmp_path):
             assert r["peak_concurrency"] == 6
 
 
-def test_static_batches_take_what_has_arrived(tiny_dir):
+def test_static_batches_take_what_has_arrived(tiny_hf_dir):
     """generate's batches: arrival order, at most the limit, only what has arrived."""
-    ours, tok, theirs = bench_serve.load(str(tiny_dir))
+    ours, tok, theirs = bench_serve.load(str(tiny_hf_dir))
     server = bench_serve.StaticServer(theirs, pad_id=0)
     reqs = [Request((1, 2, 3), 3, 0.0), Request((4, 5), 3, 0.0), Request((6, 7, 8, 9), 2, 0.0),
             Request((3, 3), 4, 5.0)]

@@ -6,7 +6,6 @@ caching on or off, K = 1, 3 or 8 steps per dispatch, and each of n = 3 completio
 
 from __future__ import annotations
 
-import logging
 import time
 
 import jax
@@ -19,6 +18,7 @@ from paged_jax.engine.llm_engine import LLMEngine, prefill_buckets
 from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.steps import Steps
 from paged_jax.model import init_model
+from tests.compile_log import logged_compiles
 from tests.model_helpers import DENSE_LEN, TINY, dense_logits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -276,24 +276,13 @@ def test_compilations_are_bounded_over_a_sharegpt_like_mix(model, steps):
     (jax's own compile log) stay within the stated bound."""
     rng = np.random.default_rng(0)
     lens = np.unique(np.exp(rng.uniform(0, np.log(1024), 40)).astype(int).clip(1, 1024))
-    compiled = []
-
-    class Count(logging.Handler):
-        def emit(self, record):
-            if "Compiling jit(_prefill)" in record.getMessage():
-                compiled.append(record.getMessage())
-
-    handler, log = Count(), logging.getLogger("jax")
-    log.addHandler(handler)
     llm = LLM.from_model(model, None, steps=steps, block_size=16, max_num_seqs=2,
                          max_model_len=1040,
                          num_blocks=140, max_num_batched_tokens=128)
-    try:
-        with jax.log_compiles(True):
-            llm.generate([[1 + i % 7] * int(n) for i, n in enumerate(lens)],
-                         SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
-    finally:
-        log.removeHandler(handler)
+    with logged_compiles() as logged:
+        llm.generate([[1 + i % 7] * int(n) for i, n in enumerate(lens)],
+                     SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    compiled = [m for m in logged if "Compiling jit(_prefill)" in m]
     bound = len(prefill_buckets(2, 128))
     assert bound == 2 * 4  # rows 1, 2; widths 16, 32, 64, 128
     assert 1 <= len(compiled) <= llm.stats().prefill_executables <= bound

@@ -4,9 +4,6 @@ serving run with requests arriving at random compiles nothing."""
 
 from __future__ import annotations
 
-import logging
-
-import jax
 import numpy as np
 from flax import nnx
 
@@ -15,6 +12,7 @@ from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.steps import Steps
 from paged_jax.engine.warmup import prefill_shapes, warm_up
 from paged_jax.model import init_model
+from tests.compile_log import logged_compiles
 from tests.model_helpers import TINY
 
 
@@ -60,28 +58,17 @@ def test_after_warm_up_serving_compiles_nothing():
     assert warm_up(engine, progress=False) == len(prefill_shapes(4, 64))
     engine.check()  # padding rows changed nothing
     assert int(engine.state.num_free) == 96 and not np.asarray(engine.state.ref_counts).any()
-    compiled = []
-
-    class Count(logging.Handler):
-        def emit(self, record):
-            if "Compiling jit(" in record.getMessage():
-                compiled.append(record.getMessage().split(" with ")[0])
-
     rng = np.random.default_rng(0)
-    handler, log = Count(), logging.getLogger("jax")
-    log.addHandler(handler)
-    try:
-        with jax.log_compiles(True):
-            for i in range(40):  # arrivals between random steps, prompts of 1..120 tokens
-                n = int(np.exp(rng.uniform(0, np.log(120))))
-                engine.add_request(str(i), rng.integers(0, TINY.vocab_size, n).tolist(),
-                                   SamplingParams(temperature=0.0, max_tokens=int(
-                                       rng.integers(1, 20))))
-                for _ in range(int(rng.integers(0, 3))):
-                    engine.step()
-            while engine.has_unfinished_requests():
+    with logged_compiles() as logged:
+        for i in range(40):  # arrivals between random steps, prompts of 1..120 tokens
+            n = int(np.exp(rng.uniform(0, np.log(120))))
+            engine.add_request(str(i), rng.integers(0, TINY.vocab_size, n).tolist(),
+                               SamplingParams(temperature=0.0, max_tokens=int(
+                                   rng.integers(1, 20))))
+            for _ in range(int(rng.integers(0, 3))):
                 engine.step()
-    finally:
-        log.removeHandler(handler)
+        while engine.has_unfinished_requests():
+            engine.step()
+    compiled = [m.split(" with ")[0] for m in logged]
     assert not [c for c in compiled if "_prefill" in c or "decode_steps" in c], compiled
     assert engine.stats().finished == 40

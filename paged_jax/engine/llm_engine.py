@@ -56,7 +56,7 @@ from paged_jax.kvcache import init_cache, plan_blocks
 from paged_jax.model.llama import Llama
 from paged_jax.sharding import auto_axes, check_model, init_sharded_cache, replicate, shard_params
 
-__all__ = ["EngineStats", "LLMEngine", "prefill_buckets"]
+__all__ = ["EngineStats", "LLMEngine", "prefill_buckets", "prefill_shapes"]
 
 MIN_PREFILL_WIDTH = 16
 DEFAULT_KV_BYTES = 256 << 20  # the pool's memory when num_blocks is not given
@@ -72,6 +72,25 @@ def prefill_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[tupl
     widths = sorted({_pow2_at_least(w, MIN_PREFILL_WIDTH, max_num_batched_tokens)
                      for w in range(1, max_num_batched_tokens + 1)})
     return [(r, w) for r in rows for w in widths]
+
+
+def prefill_shapes(max_num_seqs: int, max_num_batched_tokens: int,
+                   by_width: bool = True) -> list[tuple[int, int]]:
+    """Every ``(rows, width)`` an engine with these limits can dispatch a prefill in
+    (``engine.warmup`` compiles them). With ``by_width``, an iteration's chunks of more than
+    ``w / 2`` tokens (``w > 16``) go in width class ``w``, so at most
+    ``max_num_batched_tokens // (w / 2 + 1)`` share its dispatch; the 16-wide class holds up
+    to ``max_num_seqs``. Without it, every ``prefill_buckets`` pair can occur."""
+    buckets = prefill_buckets(max_num_seqs, max_num_batched_tokens)
+    if not by_width:
+        return buckets
+    out = []
+    for rows, width in buckets:
+        most = max_num_seqs if width == MIN_PREFILL_WIDTH else min(
+            max_num_seqs, max_num_batched_tokens // (width // 2 + 1))
+        if rows <= _pow2_at_least(most, 1, max_num_seqs):
+            out.append((rows, width))
+    return out
 
 
 _UNDELIVERED = math.nan  # a token time, until the step that made it returns

@@ -8,40 +8,17 @@ and a request then waits for a compilation (seconds for a real model on a CPU) i
 of serving. ``warm_up`` runs each shape once on padding rows, which change neither the cache
 nor the allocator's state.
 
-Shapes (``prefill_shapes``): with ``prefill_by_width``, an iteration's chunks of more than
-``w / 2`` tokens (``w > 16``) go in width class ``w``, so at most ``max_num_batched_tokens //
-(w / 2 + 1)`` of them share its dispatch; the 16-wide class holds up to ``max_num_seqs``.
-Rows are padded to a power of two. Without it, every ``prefill_buckets`` pair can occur.
-Decode is warmed for greedy requests with one stop id (EOS); sampled requests and longer
-stop lists compile on first use.
+The shapes are ``llm_engine.prefill_shapes``'s. Decode is warmed for greedy requests with one
+stop id (EOS); sampled requests and longer stop lists compile on first use.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from paged_jax.engine.llm_engine import MIN_PREFILL_WIDTH, LLMEngine, prefill_buckets
+from paged_jax.engine.llm_engine import LLMEngine, prefill_shapes
 
 __all__ = ["prefill_shapes", "warm_up"]
-
-
-def _pow2_at_least(n: int, low: int, high: int) -> int:
-    return min(max(low, 1 << max(n - 1, 0).bit_length()), high)
-
-
-def prefill_shapes(max_num_seqs: int, max_num_batched_tokens: int,
-                   by_width: bool = True) -> list[tuple[int, int]]:
-    """Every ``(rows, width)`` an engine with these limits can dispatch a prefill in."""
-    buckets = prefill_buckets(max_num_seqs, max_num_batched_tokens)
-    if not by_width:
-        return buckets
-    out = []
-    for rows, width in buckets:
-        most = max_num_seqs if width == MIN_PREFILL_WIDTH else min(
-            max_num_seqs, max_num_batched_tokens // (width // 2 + 1))
-        if rows <= _pow2_at_least(most, 1, max_num_seqs):
-            out.append((rows, width))
-    return out
 
 
 def warm_up(engine: LLMEngine, progress: bool = True) -> int:

@@ -8,7 +8,6 @@ updated in place on every shard, and bad meshes raise before anything compiles."
 
 from __future__ import annotations
 
-import logging
 import re
 
 import jax
@@ -22,6 +21,7 @@ from paged_jax.engine import Steps
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.kvcache import init_cache
 from paged_jax.model import init_model
+from tests.compile_log import logged_compiles
 from tests.sharded.helpers import CACHE, GQA, STEPS, mesh, run_steps, split_model
 
 ATOL = 1e-5
@@ -137,20 +137,8 @@ def test_donated_cache_is_updated_in_place_on_every_shard(model, hoist):
 
 def _compiles(fn):
     """``fn()``'s exception and the jit compilations it logged."""
-    seen = []
-
-    class Count(logging.Handler):
-        def emit(self, record):
-            if "Compiling" in record.getMessage():
-                seen.append(record.getMessage())
-
-    handler, log = Count(), logging.getLogger("jax")
-    log.addHandler(handler)
-    try:
-        with jax.log_compiles(True), pytest.raises(ValueError) as err:
-            fn()
-    finally:
-        log.removeHandler(handler)
+    with logged_compiles() as seen, pytest.raises(ValueError) as err:
+        fn()
     return str(err.value), seen
 
 
