@@ -90,16 +90,25 @@ def test_cli_runs_the_http_system(tiny_hf_dir, tmp_path, capsys):
             "--random-input-len", "16", "--max-output-len", "4", "--max-num-seqs", str(SEQS),
             "--request-rate", "inf", "--max-num-batched-tokens", "32", "--steps-per-dispatch",
             "2", "--kv-cache-mib", "1", "--systems", "paged_jax", "--http",
-            "--blocks-history", "0", "--out", str(out)]
+            "--blocks-history", "0", "--repeats", "2", "--out", str(out)]
     assert bench_serve.main(argv) == 0
     import json
 
     results = json.loads((out / "serve.json").read_text())["results"]
-    assert [r["system"] for r in results] == ["paged_jax", bench_serve.HTTP]
-    http = results[1]
-    assert http["completed"] == 4 and http["output_tokens"] == 16
-    assert http["greedy_agree_with_paged_jax"] == 4
-    assert "rate inf, max_num_seqs 4: HTTP vs in-process: TTFT p50 " in capsys.readouterr().out
+    assert [r["system"] for r in results] == ["paged_jax", bench_serve.HTTP,
+                                              bench_serve.HTTP_NO_WINDOW]
+    for r in results:
+        assert r["completed"] == 4 and r["output_tokens"] == 16
+        assert r["greedy_agree_with_paged_jax"] == 4
+        # Two timed runs each; the reported figures are their medians.
+        assert len(r["repeats"]) == 2
+        for key in ("duration_s", "output_throughput"):
+            assert r[key] == pytest.approx(sum(x[key] for x in r["repeats"]) / 2)
+        assert r["ttft_ms"]["p50"] == pytest.approx(
+            sum(x["ttft_ms"]["p50"] for x in r["repeats"]) / 2)
+    printed = capsys.readouterr().out
+    assert "rate inf, max_num_seqs 4: HTTP vs in-process: TTFT p50 " in printed
+    assert "rate inf, max_num_seqs 4: HTTP admission window: TTFT p50 " in printed
 
 
 def _result(system, ttft, itl, m=16):
@@ -123,10 +132,27 @@ def test_http_goal_by_hand():
         "(goal <= 10%: not met)"]
 
 
+def test_median_summary_by_hand():
+    runs = [{"completed": 4, "duration_s": 3.0, "ttft_ms": {"p50": 10.0, "p99": 30.0},
+             "itl_ms": {"p50": None}, "label": "a"},
+            {"completed": 4, "duration_s": 1.0, "ttft_ms": {"p50": 50.0, "p99": 20.0},
+             "itl_ms": {"p50": 7.0}, "label": "b"},
+            {"completed": 4, "duration_s": 2.0, "ttft_ms": {"p50": 20.0, "p99": 10.0},
+             "itl_ms": {"p50": 9.0}, "label": "c"}]
+    assert bench_serve.median_summary(runs) == {
+        "completed": 4.0, "duration_s": 2.0, "ttft_ms": {"p50": 20.0, "p99": 20.0},
+        "itl_ms": {"p50": None}, "label": "a"}
+    assert bench_serve.median_summary(runs[:1]) == runs[0]
+
+
 def test_bad_server_options_name_themselves():
     with pytest.raises(ValueError, match="blocks-history"):
         bench_serve.check_args(_args("--blocks-history", "-1"))
     with pytest.raises(ValueError, match="blocks_history"):
         HttpServer(None, _args(), 32, options={"blocks_history": -1})
+    with pytest.raises(ValueError, match="--repeats must be >= 1, got 0"):
+        bench_serve.check_args(_args("--repeats", "0"))
+    with pytest.raises(ValueError, match="admit_window_ms"):
+        HttpServer(None, _args(), 32, options={"admit_window_ms": -1.0})
     with pytest.raises(TypeError, match="no_such_field"):
         HttpServer(None, _args(), 32, options={"no_such_field": 1})

@@ -10,8 +10,8 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
   at the first iteration after it arrives; prefill is chunked to ``--max-num-batched-tokens``
   tokens per iteration; decode runs ``--steps-per-dispatch`` steps per dispatch. Each engine
   first compiles every prefill shape it can dispatch (``engine.warmup.warm_up``); each
-  configuration is then served once untimed, so that the timed pass runs on compiled
-  executables, and the prefix cache is emptied before the timed pass.
+  configuration is then served once untimed, so that the timed passes run on compiled
+  executables, and the prefix cache is emptied before each pass.
 * ``generate_batch``: transformers' continuous batching (its paged cache, a background
   thread), fed the same arrivals through its manager's ``add_request``, with
   ``max_requests_per_batch`` and ``max_batch_tokens`` set to the same limits and a pool of
@@ -27,6 +27,14 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
   asyncio client that streams each request at its arrival, as ``vllm bench serve`` does;
   tokens are timed when their chunk reaches the client. ``--blocks-history`` sets the
   server's ``/blocks`` recorder (default: ``paged-jax serve``'s).
+* ``paged_jax_http_no_window`` (``--http`` too): that server with no admission window
+  (``ServerConfig(admit_window_ms=0)``): an idle engine steps as soon as the first request
+  of a burst reaches it. The baseline that shows what the window gains.
+
+``--repeats N`` runs every configuration N times, the systems taking turns within each
+repeat, and reports each figure as the median over the N runs (``serve.json`` keeps every
+run's figures under ``repeats``): on a small shared machine one run's medians move by tens
+of percent from run to run.
 
 All are greedy, ignore EOS and generate exactly each request's output length
 (ShareGPT's reply length, capped at ``--max-output-len``), from the same f32 weights, on the
@@ -61,6 +69,9 @@ SYSTEMS = ("paged_jax", "generate_batch", "generate")
 # LLMEngine(prefill_by_width=True), on request (--systems).
 ONE_PREFILL = "paged_jax_one_prefill"
 HTTP = "paged_jax_http"  # paged_jax behind the HTTP server (--http)
+# The same server with no admission window (ServerConfig(admit_window_ms=0)): the window's
+# baseline, also run by --http.
+HTTP_NO_WINDOW = "paged_jax_http_no_window"
 GOAL_VS_BATCH, GOAL_VS_STATIC, GOAL_ITL, GOAL_HTTP = 5.0, 2.0, 3.0, 0.10
 GOAL_MIN_SEQS = 16
 
@@ -92,10 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"servers to run; {ONE_PREFILL} is paged_jax with one prefill dispatch "
                    "per iteration (LLMEngine(prefill_by_width=False))")
     p.add_argument("--http", action="store_true",
-                   help=f"also run {HTTP}: paged_jax through paged-jax serve's HTTP API")
+                   help=f"also run {HTTP}: paged_jax through paged-jax serve's HTTP API, and "
+                   f"{HTTP_NO_WINDOW}: the same server without its admission window")
     p.add_argument("--blocks-history", type=int, default=None,
                    help=f"{HTTP}: the server's /blocks history (0: no recorder; default: "
                    "paged-jax serve's)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs of each configuration, the systems taking turns; each "
+                   "figure is the median over them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_serve_out"))
     return p
@@ -103,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     for name in ("num_prompts", "max_output_len", "max_prompt_len", "random_input_len",
-                 "max_num_batched_tokens", "steps_per_dispatch", "block_size", "kv_cache_mib"):
+                 "max_num_batched_tokens", "steps_per_dispatch", "block_size", "kv_cache_mib",
+                 "repeats"):
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -163,6 +179,7 @@ class PagedServer:
         self.num_blocks = plan_blocks(model.config, args.kv_cache_mib << 20,
                                       args.block_size).num_blocks
         self.engines = {}
+        self.warmed = set()  # (batch limit, requests) served untimed already
 
     def engine(self, max_num_seqs: int):
         from paged_jax.engine.llm_engine import LLMEngine
@@ -181,9 +198,12 @@ class PagedServer:
         return self.engines[max_num_seqs]
 
     def serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
-        """Serve ``requests`` once untimed (compiling what they need), then once timed."""
+        """Serve ``requests`` timed, after an untimed pass (compiling what they need) the
+        first time they meet this batch limit."""
         engine = self.engine(max_num_seqs)
-        self._serve(engine, requests)
+        if (max_num_seqs, tuple(requests)) not in self.warmed:
+            self._serve(engine, requests)
+            self.warmed.add((max_num_seqs, tuple(requests)))
         return self._serve(engine, requests)
 
     def _serve(self, engine, requests: list[Request]) -> list[Timing]:
@@ -209,6 +229,22 @@ class PagedServer:
                         m.arrival_time, list(m.token_times), m.finished_time,
                         len(out.prompt_token_ids), list(out.outputs[0].token_ids))
         return [timings[i] for i in range(len(requests))]
+
+
+def median_summary(summaries: list[dict]) -> dict:
+    """One summary of several runs of a configuration: each figure the median of the runs'
+    (None where a run has none), the rest as the first run has it."""
+    def merge(values):
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: merge([v[k] for v in values]) for k in first}
+        if isinstance(first, bool) or not isinstance(first, int | float):
+            return first
+        if any(v is None for v in values):
+            return None
+        return float(np.median(values)) if len(values) > 1 else first
+
+    return merge(summaries)
 
 
 def goals(results: list[dict]) -> list[str]:
@@ -245,6 +281,12 @@ def goals(results: list[dict]) -> list[str]:
         lines.append(f"rate {rate:g}, max_num_seqs {m}: " + "; ".join(checks))
         if (rate, m, HTTP) in by:
             lines.append(f"rate {rate:g}, max_num_seqs {m}: " + http_goal(r, by[rate, m, HTTP]))
+        if (rate, m, HTTP) in by and (rate, m, HTTP_NO_WINDOW) in by:
+            on, off = by[rate, m, HTTP], by[rate, m, HTTP_NO_WINDOW]
+            lines.append(f"rate {rate:g}, max_num_seqs {m}: HTTP admission window: TTFT p50 "
+                         f"{off['ttft_ms']['p50'] / on['ttft_ms']['p50']:.2f}x lower, output "
+                         f"throughput {on['output_throughput'] / off['output_throughput']:.2f}x"
+                         f" (against {HTTP_NO_WINDOW})")
     return lines
 
 
@@ -265,7 +307,7 @@ def http_goal(paged: dict, http: dict) -> str:
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'rate':>5} {'seqs':>4} {'server':<21} {'done':>4} {'req/s':>6} {'out tok/s':>9} "
+    head = (f"{'rate':>5} {'seqs':>4} {'server':<24} {'done':>4} {'req/s':>6} {'out tok/s':>9} "
             f"{'tot tok/s':>9} | {'TTFT mean/p50/p90/p99 ms':>25} | {'TPOT p50':>8} | "
             f"{'ITL p50/p99 ms':>14} | {'E2E p50 ms':>10} | {'peak':>4} | {'same tokens':>11}")
     rows = [head, "-" * len(head)]
@@ -274,7 +316,7 @@ def table(results: list[dict]) -> str:
         itl = f"{i['p50']:.0f}/{i['p99']:.0f}" if i["p50"] is not None else "-"
         tpot = f"{r['tpot_ms']['p50']:.1f}" if r["tpot_ms"]["p50"] is not None else "-"
         rows.append(
-            f"{r['rate']:>5g} {r['max_num_seqs']:>4} {r['system']:<21} {r['completed']:>4} "
+            f"{r['rate']:>5g} {r['max_num_seqs']:>4} {r['system']:<24} {r['completed']:>4} "
             f"{r['request_throughput']:>6.2f} {r['output_throughput']:>9.1f} "
             f"{r['total_token_throughput']:>9.1f} | "
             f"{t['mean']:>6.0f}/{t['p50']:>5.0f}/{t['p90']:>5.0f}/{t['p99']:>5.0f} | "
@@ -294,7 +336,7 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     rates = sorted({r["rate"] for r in results}, key=lambda x: -x)
     fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4.2), squeeze=False)
     for ax, rate in zip(axes[0], rates, strict=True):
-        for system in (*SYSTEMS, ONE_PREFILL, HTTP):
+        for system in (*SYSTEMS, ONE_PREFILL, HTTP, HTTP_NO_WINDOW):
             pts = sorted((r["max_num_seqs"], r["output_throughput"], r["ttft_ms"]["p50"])
                          for r in results if r["rate"] == rate and r["system"] == system)
             if not pts:
@@ -366,9 +408,12 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
         from paged_jax.server.cli import model_name
 
         options = {"blocks_history": args.blocks_history}
-        servers[HTTP] = HttpServer(ours, args, max_len, paged.steps,
-                                   {k: v for k, v in options.items() if v is not None},
+        options = {k: v for k, v in options.items() if v is not None}
+        servers[HTTP] = HttpServer(ours, args, max_len, paged.steps, options,
                                    model_name(args.model))
+        servers[HTTP_NO_WINDOW] = HttpServer(ours, args, max_len, paged.steps,
+                                             {**options, "admit_window_ms": 0.0},
+                                             model_name(args.model))
     num_blocks = paged.num_blocks
     if "generate_batch" in args.systems:
         servers["generate_batch"] = BatchServer(theirs, args, num_blocks)
@@ -382,21 +427,27 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
     for name in ("generate_batch", "generate"):
         if name in servers:
             servers[name].serve(warm, 1)
-    results, tokens = [], {}
-    runs = [(rate, m, s) for rate in args.request_rate for m in args.max_num_seqs
-            for s in servers]
+    results = []
+    runs = [(rate, m, k, s) for rate in args.request_rate for m in args.max_num_seqs
+            for k in range(args.repeats) for s in servers]
+    summaries, agree = collections.defaultdict(list), {}
     with tqdm(runs, desc="runs", unit="run") as bar:
-        for rate, m, name in bar:
-            bar.set_postfix(rate=f"{rate:g}", seqs=m, server=name)
+        for rate, m, k, name in bar:
+            bar.set_postfix(rate=f"{rate:g}", seqs=m, repeat=k, server=name)
             arrivals = poisson_arrivals(len(reqs), rate, seed=args.seed)
             requests = [Request(p, n, t) for (p, n), t in zip(reqs, arrivals, strict=True)]
             timings = servers[name].serve(requests, m)
-            tokens[rate, m, name] = [t.tokens for t in timings]
-            ref = tokens.get((rate, m, "paged_jax"))
-            agree = None if ref is None else sum(
-                a == b for a, b in zip(ref, tokens[rate, m, name], strict=True))
-            results.append({"system": name, "rate": rate, "max_num_seqs": m,
-                            "greedy_agree_with_paged_jax": agree, **summarize(timings)})
+            summaries[rate, m, name].append(summarize(timings))
+            if name == "paged_jax":  # runs first: the reference of this repeat's tokens
+                ref = [t.tokens for t in timings]
+            if "paged_jax" in servers:  # the fewest agreeing in any repeat
+                same = sum(a == t.tokens for a, t in zip(ref, timings, strict=True))
+                agree[rate, m, name] = min(same, agree.get((rate, m, name), same))
+    for (rate, m, name), runs_ in summaries.items():
+        results.append({"system": name, "rate": rate, "max_num_seqs": m,
+                        "greedy_agree_with_paged_jax": agree.get((rate, m, name)),
+                        **median_summary(runs_),
+                        **({"repeats": runs_} if len(runs_) > 1 else {})})
     print(table(results))
     for line in goals(results):
         print(line)
