@@ -41,14 +41,14 @@ def served(tiny_hf_dir):
         reqs = _workload(arrivals)
         timings = http.serve(reqs, SEQS)
         records = [m for _, m in http.paged.engine(SEQS).finished_metrics[-len(reqs):]]
-        out[name] = reqs, paged.serve(reqs, SEQS), timings, records
+        out[name] = reqs, paged.serve(reqs, SEQS), timings, records, list(http.engine_side)
     return out, http
 
 
 @pytest.mark.parametrize("workload", ["inf", "spaced"])
 def test_http_tokens_and_times(served, workload):
     out, http = served
-    reqs, in_process, timings, _ = out[workload]
+    reqs, in_process, timings, _, _ = out[workload]
     start = timings[0].arrival - reqs[0].arrival
     for r, ref, t in zip(reqs, in_process, timings, strict=True):
         assert t.tokens == ref.tokens  # greedy does not depend on the batch or the transport
@@ -63,8 +63,13 @@ def test_http_tokens_and_times(served, workload):
 def test_times_are_the_clients(served):
     """Each token reached the client after the engine stamped it, and a request finished
     at the client after it finished in the engine."""
-    _, _, timings, records = served[0]["spaced"]
+    _, _, timings, records, engine_side = served[0]["spaced"]
     records = sorted(records, key=lambda m: m.arrival_time)
+    # engine_side is the engine's record of each request, paired by its completion id.
+    for e, m, t in zip(engine_side, records, timings, strict=True):
+        assert (e.arrival, e.token_times, e.finish) == (m.arrival_time, list(m.token_times),
+                                                        m.finished_time)
+        assert e.tokens == t.tokens and e.ttft < t.ttft
     for t, m in zip(timings, records, strict=True):
         assert len(m.token_times) == len(t.token_times)
         assert t.arrival <= m.arrival_time
@@ -102,6 +107,10 @@ def test_cli_runs_the_http_system(tiny_hf_dir, tmp_path, capsys):
         assert r["greedy_agree_with_paged_jax"] == 4
         # Two timed runs each; the reported figures are their medians.
         assert len(r["repeats"]) == 2
+        # The HTTP runs carry their engine's timing of the same requests: never later.
+        assert ("engine_side" in r) == (r["system"] != "paged_jax")
+        if "engine_side" in r:
+            assert r["engine_side"]["ttft_ms"]["p50"] < r["ttft_ms"]["p50"]
         for key in ("duration_s", "output_throughput"):
             assert r[key] == pytest.approx(sum(x[key] for x in r["repeats"]) / 2)
         assert r["ttft_ms"]["p50"] == pytest.approx(
@@ -143,6 +152,15 @@ def test_median_summary_by_hand():
         "completed": 4.0, "duration_s": 2.0, "ttft_ms": {"p50": 20.0, "p99": 20.0},
         "itl_ms": {"p50": None}, "label": "a"}
     assert bench_serve.median_summary(runs[:1]) == runs[0]
+
+
+def test_http_goal_against_its_own_engine_by_hand():
+    http = {**_result(bench_serve.HTTP, 210.0, 46.0),
+            "engine_side": {"ttft_ms": {"p50": 200.0}, "itl_ms": {"p50": 44.0}}}
+    # 210/200 = +5%, 46/44 = +4.5%: within 10% of its engine; +15% ITL against in-process.
+    assert bench_serve.http_goal(_result("paged_jax", 200.0, 40.0), http) == (
+        "HTTP vs in-process: TTFT p50 +5.0%, ITL p50 +15.0% (goal <= 10%: not met); HTTP vs "
+        "its engine, same requests: TTFT p50 +5.0%, ITL p50 +4.5% (met)")
 
 
 def test_bad_server_options_name_themselves():

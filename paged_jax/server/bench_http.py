@@ -13,6 +13,11 @@ and, by default, the ``/blocks`` recorder) run by uvicorn in a background thread
   come in one chunk, one delivery); a request finishes when its ``[DONE]`` arrives; its
   arrival is the scheduled one, as ``PagedServer`` counts it.
 
+After each pass ``engine_side`` holds the same requests as the server's engine timed them,
+which is how the in-process benchmark times its own: the difference between the two is
+what HTTP adds (the admission, the event loop, SSE, the client's parsing) within one run,
+free of the run-to-run spread of the machine's speed.
+
 The engines are built by a ``PagedServer`` of this server's own over the same compiled
 ``Steps``: an engine and its pool per batch limit, as the in-process benchmark's, but not the
 same objects, because the app subscribes the ``/blocks`` recorder to its engine for good and
@@ -40,7 +45,8 @@ __all__ = ["HttpServer", "replay"]
 READ_TIMEOUT_S = 900.0
 
 
-async def _stream_one(client, model: str, i: int, r: Request, start: float) -> Timing:
+async def _stream_one(client, model: str, i: int, r: Request,
+                      start: float) -> tuple[Timing, str]:
     from httpx_sse import aconnect_sse
 
     await asyncio.sleep(max(0.0, start + r.arrival - time.perf_counter()))
@@ -48,7 +54,7 @@ async def _stream_one(client, model: str, i: int, r: Request, start: float) -> T
             "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "stream": True}
     times: list[float] = []
     tokens: list[int] = []
-    finish_reason = None
+    finish_reason, completion_id = None, None
     async with aconnect_sse(client, "POST", "/v1/completions", json=body) as source:
         if source.response.status_code != 200:
             text = (await source.response.aread()).decode(errors="replace")
@@ -60,6 +66,7 @@ async def _stream_one(client, model: str, i: int, r: Request, start: float) -> T
             chunk = json.loads(event.data)
             if "error" in chunk:
                 raise RuntimeError(f"request {i}: the server failed: {chunk['error']}")
+            completion_id = chunk["id"]
             for choice in chunk["choices"]:
                 new = choice["token_ids"]
                 tokens.extend(new)
@@ -69,12 +76,14 @@ async def _stream_one(client, model: str, i: int, r: Request, start: float) -> T
     if len(tokens) != r.output_len or finish_reason != "length":
         raise RuntimeError(f"request {i}: expected {r.output_len} tokens ending in 'length', "
                            f"got {len(tokens)} ending in {finish_reason!r}.")
-    return Timing(start + r.arrival, times, finish, len(r.prompt), tokens)
+    return Timing(start + r.arrival, times, finish, len(r.prompt), tokens), completion_id
 
 
-async def replay(base_url: str, requests: list[Request], model: str) -> list[Timing]:
+async def replay(base_url: str, requests: list[Request],
+                 model: str) -> list[tuple[Timing, str]]:
     """Stream every request from ``base_url`` at its arrival offset (seconds after the
-    replay starts), all in flight at once; their ``Timing``s, in the order of ``requests``."""
+    replay starts), all in flight at once; per request, in the order of ``requests``, its
+    ``Timing`` and the completion id the server gave it."""
     import httpx
 
     timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
@@ -106,6 +115,10 @@ class HttpServer:
         self.paged = PagedServer(model, args, max_len, steps=steps)
         self.model_name = model_name
         self.apps = {}
+        # The engine's own record of the last pass: its requests' Timings as the in-process
+        # benchmark times them (arrival when the server handed the request to the engine
+        # loop, a token when the step that made it returned), in the order of the requests.
+        self.engine_side: list[Timing] = []
 
     def app(self, max_num_seqs: int):
         """The app over the engine of this batch limit (built once: its ``/blocks`` recorder
@@ -130,4 +143,12 @@ class HttpServer:
         # earlier pass cached.
         self.paged.engine(max_num_seqs).reset_prefix_cache()
         with running(app) as url:
-            return asyncio.run(replay(url, requests, self.model_name))
+            served = asyncio.run(replay(url, requests, self.model_name))
+        # The server names a completion "cmpl-<base>" and its one engine request "<base>-0".
+        records = dict(self.paged.engine(max_num_seqs).finished_metrics)
+        self.engine_side = []
+        for (t, cid), r in zip(served, requests, strict=True):
+            m = records[cid.removeprefix("cmpl-") + "-0"]
+            self.engine_side.append(Timing(m.arrival_time, list(m.token_times),
+                                           m.finished_time, len(r.prompt), t.tokens))
+        return [t for t, _ in served]
