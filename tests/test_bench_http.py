@@ -100,8 +100,7 @@ def test_cli_runs_the_http_system(tiny_hf_dir, tmp_path, capsys):
     import json
 
     results = json.loads((out / "serve.json").read_text())["results"]
-    assert [r["system"] for r in results] == ["paged_jax", bench_serve.HTTP,
-                                              bench_serve.HTTP_NO_WINDOW]
+    assert [r["system"] for r in results] == ["paged_jax", bench_serve.HTTP]
     for r in results:
         assert r["completed"] == 4 and r["output_tokens"] == 16
         assert r["greedy_agree_with_paged_jax"] == 4
@@ -117,7 +116,6 @@ def test_cli_runs_the_http_system(tiny_hf_dir, tmp_path, capsys):
             sum(x["ttft_ms"]["p50"] for x in r["repeats"]) / 2)
     printed = capsys.readouterr().out
     assert "rate inf, max_num_seqs 4: HTTP vs in-process: TTFT p50 " in printed
-    assert "rate inf, max_num_seqs 4: HTTP admission window: TTFT p50 " in printed
 
 
 def _result(system, ttft, itl, m=16):
@@ -170,7 +168,5 @@ def test_bad_server_options_name_themselves():
         HttpServer(None, _args(), 32, options={"blocks_history": -1})
     with pytest.raises(ValueError, match="--repeats must be >= 1, got 0"):
         bench_serve.check_args(_args("--repeats", "0"))
-    with pytest.raises(ValueError, match="admit_window_ms"):
-        HttpServer(None, _args(), 32, options={"admit_window_ms": -1.0})
     with pytest.raises(TypeError, match="no_such_field"):
         HttpServer(None, _args(), 32, options={"no_such_field": 1})

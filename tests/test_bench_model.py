@@ -32,6 +32,19 @@ def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, sm
     assert (ours - 0.05) / (theirs + 0.05) - 0.005 <= ratio <= (
         (ours + 0.05) / max(theirs - 0.05, 1e-9) + 0.005)
     assert (verdict == "met") == (ratio >= bench_model.GOAL)
+    # The memory floor: the weights' size counted from the config (tied: the embedding is
+    # the output matrix too), and its batch line's ratios from the figures printed.
+    c = models.ours.config
+    layer = (c.hidden_size * c.num_heads * c.head_dim * 2  # q and o
+             + c.hidden_size * c.num_kv_heads * c.head_dim * 2  # k and v
+             + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size)
+    n_params = c.vocab_size * c.hidden_size + c.num_layers * layer + c.hidden_size
+    assert f"memory floor: a decode step reads all {n_params * 4 / 1e6:.0f} MB of weights" in out
+    floor = re.search(r"batch 2: at most ([\d.]+) tok/s, ([\d.]+)x transformers; paged_jax "
+                      r"runs at (\d+)% of it", out)
+    top, x, pct = float(floor[1]), float(floor[2]), int(floor[3])
+    assert x == pytest.approx(top / theirs, abs=0.01 + 0.05 * top / theirs ** 2)
+    assert pct == pytest.approx(100 * ours / top, abs=1.5)
     ids = {(name, row): list(map(int, line.split(":")[1].split()))
            for line in out.splitlines()
            for name in ("paged_jax", "transformers") for row in (0, 1)

@@ -28,7 +28,6 @@ from paged_jax.engine.warmup import prefill_shapes
 from paged_jax.model import ModelConfig, init_model
 from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
 from paged_jax.server.app import ServerConfig, build_app
-from paged_jax.server.async_engine import AsyncEngine
 from paged_jax.server.metrics import delivery_gaps
 from paged_jax.server.thread import running
 
@@ -214,45 +213,6 @@ def test_32_concurrent_streams_each_equal_the_prompt_alone(served, parts):
     # They ran as one batch: the engine's 8 rows filled up with requests from many clients.
     assert max(peak) == ENGINE["max_num_seqs"]
     idle_and_clean(served)
-
-
-@pytest.mark.parametrize("window_s, first_step", [(0.0, {"r0"}), (0.15, {"r0", "r1", "r2", "r3"})])
-def test_an_idle_engine_admits_a_burst_in_one_step(parts, served, window_s, first_step):
-    """Four requests 30 ms apart reach an idle engine. With no admission window the first
-    step runs the first request alone; with a window longer than the gaps it waits for the
-    quiet after the fourth and prefills all four together. Tokens equal the prompt alone."""
-    model, tok = parts
-    llm = LLM.from_model(model, tok, steps=served.engine.steps, **ENGINE)
-    steps = []
-    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS[:4]]
-
-    async def run():
-        aengine = AsyncEngine(llm.engine, admit_window_s=window_s,
-                              after_step=lambda outs: steps.append({o.request_id for o in outs}))
-        await aengine.start()
-        queues = [asyncio.Queue() for _ in prompts]
-        adds = []
-        for i, (p, q) in enumerate(zip(prompts, queues, strict=True)):
-            adds.append(asyncio.create_task(aengine.add(f"r{i}", p, greedy(3), q)))
-            await asyncio.sleep(0.03)
-        await asyncio.gather(*adds)
-        finals = []
-        for q in queues:
-            while not (out := await asyncio.wait_for(q.get(), TIMEOUT)).finished:
-                pass
-            finals.append(out)
-        await aengine.stop()
-        return finals
-
-    finals = asyncio.run(run())
-    assert steps[0] == first_step
-    for p, out in zip(prompts, finals, strict=True):
-        want = served.ref.generate(p, greedy(3), use_tqdm=False)[0]
-        assert out.outputs[0].token_ids == want.outputs[0].token_ids
-    with pytest.raises(ValueError, match="admit_window_s must be .* Got -1"):
-        AsyncEngine(llm.engine, admit_window_s=-1)
-    with pytest.raises(ValueError, match="admit_window_ms must be .* Got 2000"):
-        ServerConfig(model_name=MODEL, admit_window_ms=2000)
 
 
 def test_disconnected_clients_abort_and_free_their_blocks(served):

@@ -184,6 +184,29 @@ class PagedRunner:
         return np.concatenate(out, axis=1), seconds
 
 
+class WeightRead:
+    """The memory floor of a decode step: every weight a step multiplies by is read at
+    least once per step, whatever the batch, so no step of ``batch`` rows beats ``batch /
+    seconds`` tokens/s, where ``seconds`` is how long reading them all once takes here.
+    ``run()`` times that read: one jitted sum over those parameters (``bytes`` in all; an
+    untied input embedding is left out, as a step reads only its rows), which XLA streams at
+    close to the machine's read bandwidth."""
+
+    def __init__(self, model: Llama):
+        params = nnx.to_pure_dict(nnx.state(model))
+        if not model.config.tie_word_embeddings:
+            params = {k: v for k, v in params.items() if k != "embed_tokens"}
+        self.params = params
+        self.bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        self.read = jax.jit(lambda ps: sum(jnp.sum(x, dtype=jnp.float32)
+                                           for x in jax.tree.leaves(ps)))
+
+    def run(self) -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(self.read(self.params))
+        return time.perf_counter() - start
+
+
 class TorchRunner:
     """transformers' side: the prompts left-padded into one batch; ``run()`` prefills
     (untimed) into a ``DynamicCache`` and decodes one token per forward, returning ``(ids
@@ -263,6 +286,9 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
           f"prompts (EOS ignored); tokens/s = batch x {args.tokens} / fastest of "
           f"{args.rounds} interleaved rounds, after a warm-up round per side", flush=True)
     results = []
+    floor = WeightRead(ours)
+    floor.run()  # compile
+    floor_s = []
     pad_id = tokenizer.eos_token_id  # any id: the attention mask hides the padding
     with tqdm(total=len(args.batch) * (args.rounds + 1), desc="rounds", leave=False) as bar:
         for batch in args.batch:
@@ -278,6 +304,7 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
             for _ in range(args.rounds):
                 for name, side in sides.items():
                     seconds[name].append(side.run()[1])
+                floor_s.append(floor.run())
                 bar.set_postfix(batch=batch)
                 bar.update()
             rates = {name: batch * args.tokens / min(s) for name, s in seconds.items()}
@@ -294,6 +321,15 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
         print(f"{batch:>5} | {rates['paged_jax']:>15.1f} | {rates['transformers']:>18.1f} | "
               f"{ratio:>5.2f}x {'met' if ratio >= GOAL else 'not met':>14} | {agree}/{batch}"
               f" of {args.tokens + 1} tokens" + (f" (differ: {diffs})" if diffs else ""))
+    read = min(floor_s)
+    print(f"memory floor: a decode step reads all {floor.bytes / 1e6:.0f} MB of weights at "
+          f"least once; reading them once here takes {1e3 * read:.1f} ms "
+          f"({floor.bytes / read / 1e9:.1f} GB/s, a jitted sum, fastest of {len(floor_s)}), "
+          f"so a step of B rows is at most B / {1e3 * read:.1f} ms:")
+    for batch, rates, _, _ in results:
+        top = batch / read
+        print(f"  batch {batch}: at most {top:.1f} tok/s, {top / rates['transformers']:.2f}x "
+              f"transformers; paged_jax runs at {rates['paged_jax'] / top:.0%} of it")
     if args.show_tokens:
         for batch, _, _, ids in results:
             for name, rows in ids.items():

@@ -27,9 +27,6 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
   asyncio client that streams each request at its arrival, as ``vllm bench serve`` does;
   tokens are timed when their chunk reaches the client. ``--blocks-history`` sets the
   server's ``/blocks`` recorder (default: ``paged-jax serve``'s).
-* ``paged_jax_http_no_window`` (``--http`` too): that server with no admission window
-  (``ServerConfig(admit_window_ms=0)``): an idle engine steps as soon as the first request
-  of a burst reaches it. The baseline that shows what the window gains.
 
 ``--repeats N`` runs every configuration N times, the systems taking turns within each
 repeat, and reports each figure as the median over the N runs (``serve.json`` keeps every
@@ -69,9 +66,6 @@ SYSTEMS = ("paged_jax", "generate_batch", "generate")
 # LLMEngine(prefill_by_width=True), on request (--systems).
 ONE_PREFILL = "paged_jax_one_prefill"
 HTTP = "paged_jax_http"  # paged_jax behind the HTTP server (--http)
-# The same server with no admission window (ServerConfig(admit_window_ms=0)): the window's
-# baseline, also run by --http.
-HTTP_NO_WINDOW = "paged_jax_http_no_window"
 GOAL_VS_BATCH, GOAL_VS_STATIC, GOAL_ITL, GOAL_HTTP = 5.0, 2.0, 3.0, 0.10
 GOAL_MIN_SEQS = 16
 
@@ -103,8 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"servers to run; {ONE_PREFILL} is paged_jax with one prefill dispatch "
                    "per iteration (LLMEngine(prefill_by_width=False))")
     p.add_argument("--http", action="store_true",
-                   help=f"also run {HTTP}: paged_jax through paged-jax serve's HTTP API, and "
-                   f"{HTTP_NO_WINDOW}: the same server without its admission window")
+                   help=f"also run {HTTP}: paged_jax through paged-jax serve's HTTP API")
     p.add_argument("--blocks-history", type=int, default=None,
                    help=f"{HTTP}: the server's /blocks history (0: no recorder; default: "
                    "paged-jax serve's)")
@@ -281,12 +274,6 @@ def goals(results: list[dict]) -> list[str]:
         lines.append(f"rate {rate:g}, max_num_seqs {m}: " + "; ".join(checks))
         if (rate, m, HTTP) in by:
             lines.append(f"rate {rate:g}, max_num_seqs {m}: " + http_goal(r, by[rate, m, HTTP]))
-        if (rate, m, HTTP) in by and (rate, m, HTTP_NO_WINDOW) in by:
-            on, off = by[rate, m, HTTP], by[rate, m, HTTP_NO_WINDOW]
-            lines.append(f"rate {rate:g}, max_num_seqs {m}: HTTP admission window: TTFT p50 "
-                         f"{off['ttft_ms']['p50'] / on['ttft_ms']['p50']:.2f}x lower, output "
-                         f"throughput {on['output_throughput'] / off['output_throughput']:.2f}x"
-                         f" (against {HTTP_NO_WINDOW})")
     return lines
 
 
@@ -347,7 +334,7 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     rates = sorted({r["rate"] for r in results}, key=lambda x: -x)
     fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4.2), squeeze=False)
     for ax, rate in zip(axes[0], rates, strict=True):
-        for system in (*SYSTEMS, ONE_PREFILL, HTTP, HTTP_NO_WINDOW):
+        for system in (*SYSTEMS, ONE_PREFILL, HTTP):
             pts = sorted((r["max_num_seqs"], r["output_throughput"], r["ttft_ms"]["p50"])
                          for r in results if r["rate"] == rate and r["system"] == system)
             if not pts:
@@ -422,9 +409,6 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
         options = {k: v for k, v in options.items() if v is not None}
         servers[HTTP] = HttpServer(ours, args, max_len, paged.steps, options,
                                    model_name(args.model))
-        servers[HTTP_NO_WINDOW] = HttpServer(ours, args, max_len, paged.steps,
-                                             {**options, "admit_window_ms": 0.0},
-                                             model_name(args.model))
     num_blocks = paged.num_blocks
     if "generate_batch" in args.systems:
         servers["generate_batch"] = BatchServer(theirs, args, num_blocks)
@@ -449,7 +433,7 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
             requests = [Request(p, n, t) for (p, n), t in zip(reqs, arrivals, strict=True)]
             timings = servers[name].serve(requests, m)
             summary = summarize(timings)
-            if name in (HTTP, HTTP_NO_WINDOW):  # the same requests as its engine timed them
+            if name == HTTP:  # the same requests as its engine timed them
                 summary["engine_side"] = summarize(servers[name].engine_side)
             summaries[rate, m, name].append(summary)
             if name == "paged_jax":  # runs first: the reference of this repeat's tokens

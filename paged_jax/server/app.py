@@ -65,8 +65,6 @@ class ServerConfig:
       max_request_bytes: the largest request body accepted (413 above it).
       blocks_history: steps the ``/blocks`` page keeps (0: no page, nothing recorded).
       blocks_refresh_s: how often the page reloads itself while it shows the newest step.
-      admit_window_ms: how long an idle engine waits for a burst's other requests before its
-        first step (``AsyncEngine``'s ``admit_window_s``; 0: it steps at once).
     """
 
     model_name: str
@@ -74,7 +72,6 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     blocks_history: int = 256
     blocks_refresh_s: float = 2.0
-    admit_window_ms: float = 5.0
 
     def __post_init__(self):
         if not self.model_name:
@@ -87,10 +84,6 @@ class ServerConfig:
         if not isinstance(self.blocks_history, int) or self.blocks_history < 0:
             raise ValueError(f"blocks_history must be an int >= 0. Got "
                              f"{self.blocks_history!r}.")
-        if not (isinstance(self.admit_window_ms, (int, float)) and not isinstance(
-                self.admit_window_ms, bool) and 0 <= self.admit_window_ms <= 1000):
-            raise ValueError(f"admit_window_ms must be a number of milliseconds in [0, 1000]. "
-                             f"Got {self.admit_window_ms!r}.")
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str | None = None,
@@ -180,8 +173,7 @@ class _Server:
         self.blocks = (LiveBlocks(engine, config.blocks_history, config.blocks_refresh_s)
                        if config.blocks_history else None)
         self.aengine = AsyncEngine(engine, after_step=self.metrics.observe,
-                                   after_change=self.blocks.flush if self.blocks else None,
-                                   admit_window_s=config.admit_window_ms / 1000)
+                                   after_change=self.blocks.flush if self.blocks else None)
         self.created = int(time.time())
 
     # -- requests -----------------------------------------------------------------------------

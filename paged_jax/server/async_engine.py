@@ -14,13 +14,6 @@ of clients.
     while not (out := await outputs.get()).finished: ...
     await aengine.stop()
 
-A burst of requests that reaches an idle engine (clients that send at once, whose requests
-the server parses one after another) is taken as one batch: after an idle wait the loop
-holds its first step until no request has arrived for ``admit_window_s`` (at most
-``ADMIT_MAX_WINDOWS`` windows in all), so the burst's first step prefills all of it, where
-without the window the first request's step would run alone and the rest would wait for it.
-A busy engine never waits: what arrives during a step joins the next one.
-
 Each step's ``RequestOutput`` for a request goes to the queue given with it (several requests
 may share one: an HTTP request with several prompts). A failed step puts the exception in
 the queue of every request it held, aborts those requests, and the loop goes on.
@@ -30,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,10 +34,6 @@ __all__ = ["AsyncEngine"]
 
 log = logging.getLogger("paged_jax.server")
 
-# The longest an idle engine holds its first step for a burst, in admission windows: a
-# client that keeps sending delays the first of its requests by at most this many windows.
-ADMIT_MAX_WINDOWS = 10
-
 
 class AsyncEngine:
     """Owns ``engine`` from ``start`` to ``stop``; nothing else may touch it meanwhile.
@@ -56,19 +44,12 @@ class AsyncEngine:
         records its latency histograms there.
       after_change: called after commands changed the engine outside a step (aborts); the
         block page records them there.
-      admit_window_s: seconds of quiet an idle engine waits for before its first step, so
-        that a burst is admitted together (see the module docstring); 0 steps at once.
     """
 
     def __init__(self, engine: LLMEngine, *,
                  after_step: Callable[[list[RequestOutput]], None] | None = None,
-                 after_change: Callable[[], None] | None = None,
-                 admit_window_s: float = 0.0):
-        if not (isinstance(admit_window_s, (int, float)) and 0 <= admit_window_s < math.inf):
-            raise ValueError(f"admit_window_s must be a finite number of seconds >= 0. Got "
-                             f"{admit_window_s!r}.")
+                 after_change: Callable[[], None] | None = None):
         self.engine = engine
-        self.admit_window_s = float(admit_window_s)
         self._after_step = after_step
         self._after_change = after_change
         self._queues: dict[str, asyncio.Queue] = {}
@@ -157,7 +138,6 @@ class AsyncEngine:
                 self._wake.clear()
                 if not self._commands:
                     await self._wake.wait()
-                await self._admit_burst()
                 continue
             try:
                 outputs = await asyncio.to_thread(engine.step)
@@ -173,17 +153,6 @@ class AsyncEngine:
                         del self._queues[out.request_id]
             if self._after_step is not None:
                 self._after_step(outputs)
-
-    async def _admit_burst(self) -> None:
-        """With requests queued for an idle engine, wait until none has arrived for one
-        window (at most ``ADMIT_MAX_WINDOWS`` windows), so that they start in one step."""
-        if self.admit_window_s <= 0 or not any(c[0] == "add" for c in self._commands):
-            return
-        for _ in range(ADMIT_MAX_WINDOWS):
-            seen = len(self._commands)
-            await asyncio.sleep(self.admit_window_s)
-            if len(self._commands) == seen:
-                return
 
     def _apply(self) -> bool:
         """Run the queued commands in order; False once told to stop."""

@@ -43,9 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
     p.add_argument("--blocks-history", type=int, default=256,
                    help="engine steps the /blocks page keeps (0: no page)")
-    p.add_argument("--admit-window-ms", type=float, default=5.0,
-                   help="how long an idle engine waits for a burst's other requests before its "
-                   "first step (0: none)")
     p.add_argument("--warmup", action="store_true",
                    help="compile every prefill shape and the greedy decode before serving, so "
                    "that no request waits for a compilation (minutes for a real model on a CPU)")
@@ -73,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = ServerConfig(model_name=args.served_model_name or model_name(args.model),
                           api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                          blocks_history=args.blocks_history,
-                          admit_window_ms=args.admit_window_ms)
+                          blocks_history=args.blocks_history)
     llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
