@@ -149,6 +149,7 @@ def test_median_summary_by_hand():
     assert bench_serve.median_summary(runs) == {
         "completed": 4.0, "duration_s": 2.0, "ttft_ms": {"p50": 20.0, "p99": 20.0},
         "itl_ms": {"p50": None}, "label": "a"}
+    assert isinstance(bench_serve.median_summary(runs)["completed"], int)
     assert bench_serve.median_summary(runs[:1]) == runs[0]
 
 

@@ -235,7 +235,10 @@ def median_summary(summaries: list[dict]) -> dict:
             return first
         if any(v is None for v in values):
             return None
-        return float(np.median(values)) if len(values) > 1 else first
+        median = float(np.median(values))
+        # A count stays a count where the runs agree on it (or their median is whole).
+        return int(median) if all(isinstance(v, int) for v in values) and median.is_integer() \
+            else median
 
     return merge(summaries)
 
