@@ -132,9 +132,7 @@ class HttpServer:
     def serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
         """Serve ``requests`` timed, after an untimed pass (compiling what they need) the
         first time they meet this batch limit."""
-        if (max_num_seqs, tuple(requests)) not in self.paged.warmed:
-            self._serve(requests, max_num_seqs)
-            self.paged.warmed.add((max_num_seqs, tuple(requests)))
+        self.paged.warm_once(requests, max_num_seqs, lambda: self._serve(requests, max_num_seqs))
         return self._serve(requests, max_num_seqs)
 
     def _serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
