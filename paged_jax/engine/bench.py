@@ -85,11 +85,12 @@ def _contiguous_decode(model, cache, lens, tokens):
         _, hkv, _, d = ks.shape[1:]
         group = q.shape[2] // hkv
         qg = q[:, 0].reshape(batch, hkv, group, d)
-        logits = jnp.einsum("bksd,bkgd->bksg", ks[layer], qg, precision=_EXACT,
+        # The paged path's order (``kernels.reference.attend_segments``): queries times keys.
+        logits = jnp.einsum("bkgd,bksd->bkgs", qg, ks[layer], precision=_EXACT,
                             preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
-        logits = jnp.where(live[:, None, :, None], logits, -jnp.inf)
-        p = jax.nn.softmax(logits, axis=2)
-        out = jnp.einsum("bksg,bksd->bkgd", p, vs[layer].astype(jnp.float32), precision=_EXACT)
+        logits = jnp.where(live[:, None, None, :], logits, -jnp.inf)
+        p = jax.nn.softmax(logits, axis=3)
+        out = jnp.einsum("bkgs,bksd->bkgd", p, vs[layer].astype(jnp.float32), precision=_EXACT)
         return out.reshape(batch, 1, -1, d).astype(q.dtype), (ks, vs)
 
     logits, cache = model(tokens[:, None], lens[:, None], cache, attend)

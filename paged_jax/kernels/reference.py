@@ -86,23 +86,24 @@ def attend_segments(
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = segments[0][0].shape[1]
     q_grouped = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    # Keys times queries ("bksd,bkgd"), not queries times keys: with decode's few query
-    # rows, XLA:CPU's matmul wants the long (key) axis as its M dimension.
+    # Queries times keys, logits [batch, kv, group, n_i] with the key axis minor: XLA:CPU's
+    # dot library runs decode's many small per-(row, head) products faster in this order
+    # than keys times queries.
     logits = [
         jnp.where(
-            live[:, None, :, None],
-            jnp.einsum("bksd,bkgd->bksg", k, q_grouped, preferred_element_type=jnp.float32,
+            live[:, None, None, :],
+            jnp.einsum("bkgd,bksd->bkgs", q_grouped, k, preferred_element_type=jnp.float32,
                        precision=_EXACT) * jnp.float32(sm_scale),
             -jnp.inf,
-        )  # [batch, kv, n_i, group]
+        )  # [batch, kv, group, n_i]
         for k, _, live in segments
     ]
-    m = functools.reduce(jnp.maximum, [jnp.max(x, axis=2, keepdims=True) for x in logits])
+    m = functools.reduce(jnp.maximum, [jnp.max(x, axis=3, keepdims=True) for x in logits])
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # no live key: every logit is -inf
     p = [jnp.exp(x - m) for x in logits]
-    denom = functools.reduce(jnp.add, [jnp.sum(x, axis=2) for x in p])  # [batch, kv, group]
+    denom = functools.reduce(jnp.add, [jnp.sum(x, axis=3) for x in p])  # [batch, kv, group]
     o = functools.reduce(jnp.add, [
-        jnp.einsum("bksg,bksd->bkgd", x, v.astype(jnp.float32), precision=_EXACT)
+        jnp.einsum("bkgs,bksd->bkgd", x, v.astype(jnp.float32), precision=_EXACT)
         for x, (_, v, _) in zip(p, segments, strict=True)
     ])
     o = o / jnp.where(denom > 0, denom, 1.0)[..., None]  # zeros, not NaN, for empty sequences
