@@ -162,6 +162,26 @@ def test_http_goal_against_its_own_engine_by_hand():
         "its engine, same requests: TTFT p50 +5.0%, ITL p50 +4.5% (met)")
 
 
+def test_http_goal_paired_by_repeat_by_hand():
+    # The machine slowed down between repeats: in-process TTFT 100, 200, 300 ms, and HTTP
+    # 105, 330, 315 ms. Each system's median (200 against 315 ms) compares runs of
+    # different repeats; the pairs (1.05, 1.65, 1.05) do not.
+    paged = {**_result("paged_jax", 200.0, 40.0),
+             "repeats": [_result("paged_jax", t, 40.0) for t in (100.0, 200.0, 300.0)]}
+    http = {**_result(bench_serve.HTTP, 315.0, 41.0),
+            "repeats": [_result(bench_serve.HTTP, t, i)
+                        for t, i in ((105.0, 40.0), (330.0, 41.0), (315.0, 42.0))]}
+    assert bench_serve.http_goal(paged, http) == (
+        "HTTP vs in-process: TTFT p50 +57.5%, ITL p50 +2.5% (goal <= 10%: not met); paired by "
+        "repeat (median of 3): TTFT p50 +5.0%, ITL p50 +2.5% (met)")
+    http["repeats"][0] = _result(bench_serve.HTTP, 120.0, 40.0)  # TTFT 1.20, 1.65, 1.05
+    assert bench_serve.http_goal(paged, http).endswith(
+        "paired by repeat (median of 3): TTFT p50 +20.0%, ITL p50 +2.5% (not met)")
+    http["repeats"][1] = _result(bench_serve.HTTP, 330.0, None)  # a repeat without an ITL
+    assert bench_serve.http_goal(paged, http).endswith(
+        "paired by repeat (median of 3): TTFT p50 +20.0%, ITL p50 n/a (not met)")
+
+
 def test_bad_server_options_name_themselves():
     with pytest.raises(ValueError, match="blocks-history"):
         bench_serve.check_args(_args("--blocks-history", "-1"))

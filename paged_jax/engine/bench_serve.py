@@ -290,26 +290,43 @@ def goals(results: list[dict]) -> list[str]:
 def http_goal(paged: dict, http: dict) -> str:
     """How much the HTTP server adds to paged_jax's median TTFT and ITL, against the goal
     (an ITL median is None when every request came in one delivery): against the in-process
-    run, and, where the HTTP result has it, against its own engine's timing of the same
-    requests (``engine_side``)."""
-    def added(base: dict, x: dict) -> tuple[str, bool | None]:
+    run; where both ran ``--repeats`` N > 1 times, also paired by repeat (the median over
+    repeats of HTTP's figure over the in-process figure of the same repeat, the two runs
+    adjacent in time, so a drift in machine speed between repeats cancels); and, where the
+    HTTP result has it, against its own engine's timing of the same requests
+    (``engine_side``)."""
+    def added(ratios: dict) -> tuple[str, bool | None]:
         within, parts = [], []
-        for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms")):
-            b, v = base[key]["p50"], x[key]["p50"]
-            if b is None or v is None:
+        for name, x in ratios.items():
+            if x is None:
                 parts.append(f"{name} p50 n/a")
                 continue
-            within.append(v <= (1 + GOAL_HTTP) * b)
-            parts.append(f"{name} p50 {100 * (v / b - 1):+.1f}%")
+            within.append(x <= 1 + GOAL_HTTP)
+            parts.append(f"{name} p50 {100 * (x - 1):+.1f}%")
         return ", ".join(parts), (all(within) if within else None)
+
+    def ratio(base: dict, x: dict, key: str) -> float | None:
+        b, v = base[key]["p50"], x[key]["p50"]
+        return None if b is None or v is None else v / b
+
+    def ratios(base: dict, x: dict) -> dict:
+        return {"TTFT": ratio(base, x, "ttft_ms"), "ITL": ratio(base, x, "itl_ms")}
 
     def verdict(ok):
         return "met" if ok else "not met"
 
-    text, ok = added(paged, http)
+    text, ok = added(ratios(paged, http))
     line = f"HTTP vs in-process: {text} (goal <= {100 * GOAL_HTTP:.0f}%: {verdict(ok)})"
+    pairs = list(zip(paged.get("repeats", []), http.get("repeats", []), strict=False))
+    if len(pairs) > 1:
+        per_repeat = [ratios(a, b) for a, b in pairs]
+        paired = {name: None if any(r[name] is None for r in per_repeat)
+                  else float(np.median([r[name] for r in per_repeat]))
+                  for name in ("TTFT", "ITL")}
+        text, ok = added(paired)
+        line += f"; paired by repeat (median of {len(pairs)}): {text} ({verdict(ok)})"
     if "engine_side" in http:
-        text, ok = added(http["engine_side"], http)
+        text, ok = added(ratios(http["engine_side"], http))
         line += f"; HTTP vs its engine, same requests: {text} ({verdict(ok)})"
     return line
 
