@@ -31,7 +31,8 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
 ``--repeats N`` runs every configuration N times, the systems taking turns within each
 repeat, and reports each figure as the median over the N runs (``serve.json`` keeps every
 run's figures under ``repeats``): on a small shared machine one run's medians move by tens
-of percent from run to run.
+of percent from run to run. With ``--http``, the goal line also pairs HTTP with in-process
+by repeat (``http_goal``).
 
 All are greedy, ignore EOS and generate exactly each request's output length
 (ShareGPT's reply length, capped at ``--max-output-len``), from the same f32 weights, on the
