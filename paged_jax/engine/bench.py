@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import statistics
 import sys
 import time
@@ -34,10 +35,9 @@ from flax import nnx
 
 from paged_jax.allocator import CacheConfig, admit, init_state
 from paged_jax.engine.steps import Steps
+from paged_jax.kernels.reference import attend_segments
 from paged_jax.kvcache import init_cache
 from paged_jax.model import ModelConfig, init_model
-
-_EXACT = jax.lax.Precision.HIGHEST  # as the paged xla path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,16 +82,12 @@ def _contiguous_decode(model, cache, lens, tokens):
         ks, vs = cache
         ks = ks.at[layer, rows, :, lens].set(k[:, 0].astype(ks.dtype))
         vs = vs.at[layer, rows, :, lens].set(v[:, 0].astype(vs.dtype))
-        _, hkv, _, d = ks.shape[1:]
-        group = q.shape[2] // hkv
-        qg = q[:, 0].reshape(batch, hkv, group, d)
-        # The paged path's order (``kernels.reference.attend_segments``): queries times keys.
-        logits = jnp.einsum("bkgd,bksd->bkgs", qg, ks[layer], precision=_EXACT,
-                            preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
-        logits = jnp.where(live[:, None, None, :], logits, -jnp.inf)
-        p = jax.nn.softmax(logits, axis=3)
-        out = jnp.einsum("bkgs,bksd->bkgd", p, vs[layer].astype(jnp.float32), precision=_EXACT)
-        return out.reshape(batch, 1, -1, d).astype(q.dtype), (ks, vs)
+        d = ks.shape[-1]
+        # The paged xla path's softmax, over the contiguous rows instead of gathered blocks
+        # (the cache starts zeroed, so slots past a row's length hold finite values).
+        out = attend_segments(q[:, 0], [(ks[layer], vs[layer], live)],
+                              sm_scale=1.0 / math.sqrt(d))
+        return out[:, None], (ks, vs)
 
     logits, cache = model(tokens[:, None], lens[:, None], cache, attend)
     return logits[:, 0], cache, lens + 1
