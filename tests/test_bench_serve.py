@@ -81,7 +81,11 @@ def test_bad_arguments():
     for argv, match in ((["--max-output-len", "1"], "max-output-len"),
                         (["--request-rate", "0"], "request-rate"),
                         (["--max-num-seqs", "0"], "max-num-seqs"),
-                        (["--num-prompts", "0"], "num-prompts")):
+                        (["--num-prompts", "0"], "num-prompts"),
+                        (["--steps-while-prefilling", "0"], "steps-while-prefilling must be >= 1"),
+                        (["--steps-per-dispatch", "4", "--steps-while-prefilling", "5"],
+                         r"steps-while-prefilling must be at most --steps-per-dispatch \(4\), "
+                         "got 5")):
         with pytest.raises(ValueError, match=match):
             bench_serve.check_args(bench_serve.build_parser().parse_args(argv))
     assert math.isinf(bench_serve.build_parser().parse_args([]).request_rate[0])

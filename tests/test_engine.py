@@ -82,6 +82,8 @@ def token_ids(outputs):
     dict(),
     dict(num_blocks=SMALL, steps_per_dispatch=3),  # preempts
     dict(enable_prefix_caching=False, steps_per_dispatch=1),
+    dict(steps_per_dispatch=3, steps_while_prefilling=3),  # K even while prefilling
+    dict(num_blocks=SMALL, steps_per_dispatch=4, steps_while_prefilling=2),
     dict(num_blocks=SMALL, steps_per_dispatch=3, enable_prefix_caching=False,
          prefill_by_width=False),
 ])
@@ -444,3 +446,13 @@ def test_tokens_are_timed_when_the_step_that_made_them_returns(model, steps):
         mixed += len(outs) == 2 and any(len(o.outputs[0].token_ids) == 1 for o in outs)
     assert mixed  # some step gave b its first token and a its decoded ones
     assert seen == {"a": 9, "b": 6}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(steps_while_prefilling=0), "steps_while_prefilling must be a positive int. Got 0."),
+    (dict(steps_per_dispatch=4, steps_while_prefilling=5),
+     r"steps_while_prefilling must be at most steps_per_dispatch \(4\). Got 5."),
+])
+def test_bad_engine_arguments_name_the_value(model, steps, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine(model, steps, **kwargs)

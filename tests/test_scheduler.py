@@ -113,10 +113,12 @@ class Sim:
     applies it; ``log`` keeps what the checks below need."""
 
     def __init__(self, *, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                 steps_per_dispatch):
+                 steps_per_dispatch, steps_while_prefilling=None):
         self.sched = Scheduler(max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
-                               steps_per_dispatch=steps_per_dispatch, block_size=block_size)
+                               steps_per_dispatch=steps_per_dispatch, block_size=block_size,
+                               steps_while_prefilling=steps_while_prefilling)
+        self.while_prefilling = steps_while_prefilling or steps_per_dispatch
         self.pool = ToyPool(num_blocks, block_size)
         self.n: dict[str, int] = {}
         self.done: dict[str, list[Sequence]] = {}
@@ -174,10 +176,17 @@ class Sim:
             assert [id(q) for q in list(s.waiting)[len(victims):]] == list(map(id, before_waiting))
         # (b) the chunk budget, and every running decoder decodes (unless preempted).
         assert sum(length for _, _, length in plan.prefill) <= s.max_num_batched_tokens
+        # An iteration that prefills decodes steps_while_prefilling steps; one that neither
+        # prefills nor preempts, K.
+        if plan.prefill:
+            assert plan.decode_steps == self.while_prefilling
+        elif not plan.preempt:
+            assert plan.decode_steps == s.steps_per_dispatch
+        assert plan.decode_steps in (self.while_prefilling, s.steps_per_dispatch)
         planned = {id(q): steps for q, steps in plan.decode}
         for q in decoding_before:
             if not any(q is v for v in victims):
-                assert planned.get(id(q)) == min(s.steps_per_dispatch, q.remaining)
+                assert planned.get(id(q)) == min(plan.decode_steps, q.remaining)
         for q, steps in plan.decode:
             assert q.decoding and q.slot is not None and 1 <= steps <= q.remaining
         for q in plan.admitted:  # (d) n > 1 keeps its completions' slots from admission on
@@ -271,10 +280,12 @@ def test_random_workloads_under_pressure_all_complete(seed):
     max_seqs = rng.randint(1, 6)
     tokens = rng.choice([1, 3, 8, 16, 64])
     k = rng.choice([1, 2, 3, 8])
+    while_prefilling = rng.choice([None, 1, k])
     num_blocks = rng.randint(math.ceil(72 / block_size), math.ceil(72 / block_size) + 6)
     arrivals = random_workload(rng, block_size, num_blocks, max_seqs, rng.randint(5, 25))
     sim = Sim(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
-              max_num_batched_tokens=tokens, steps_per_dispatch=k)
+              max_num_batched_tokens=tokens, steps_per_dispatch=k,
+              steps_while_prefilling=while_prefilling)
     sim.run(arrivals, limit=20_000)
     requests = {f"r{i}": r for i, r in enumerate(r for i in sorted(arrivals)
                                                    for r in arrivals[i])}
@@ -410,3 +421,37 @@ def test_removing_a_sequence_before_its_fork_returns_the_slots_kept_for_its_comp
     assert len(seq.reserved) == 2 and len(sim.sched.free_slots) == 1
     assert sim.sched.remove([seq]) == [seq]  # an abort
     assert sim.sched.free_slots == [0, 1, 2, 3] and not sim.sched.has_work
+
+
+def test_decode_runs_one_step_per_iteration_while_prompts_are_prefilled_then_k():
+    # 6 prompts of 20 tokens, 16 tokens a chunk budget: the prompts take 8 iterations to
+    # prefill, one chunk each, and the rows that already decode get one step in each.
+    sim = Sim(num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+              steps_per_dispatch=8, steps_while_prefilling=1)
+    for _ in range(6):
+        sim.add(20, 40)
+    plans = []
+    while sim.sched.has_work:
+        plans.append(sim.step())
+    kinds = [(bool(p.prefill), p.decode_steps) for p in plans if p.decode]
+    # Every iteration that prefilled and decoded ran 1 step, every other one 8.
+    assert kinds and all(k == (1 if prefilled else 8) for prefilled, k in kinds), kinds
+    assert (True, 1) in kinds and (False, 8) in kinds
+    # Two requests wait for a slot; when the first four finish they are admitted, and the
+    # decoders step once per iteration again until their prompts are in.
+    firsts = [i for i, p in enumerate(plans) if p.admitted]
+    assert len(firsts) >= 2
+    assert_all_complete(sim, {f"r{i}": (20, 40, 1) for i in range(6)})
+
+
+def test_a_plan_that_cannot_prefill_decodes_k_steps():
+    # Free slots but too few blocks for the queued prompt: no prefill can run, so the
+    # running request decodes K steps rather than one step an iteration.
+    sim = Sim(num_blocks=12, block_size=4, max_num_seqs=2, max_num_batched_tokens=64,
+              steps_per_dispatch=4, steps_while_prefilling=1)
+    sim.add(8, 16)
+    sim.step()  # prefilled (3 blocks with the first decode's)
+    sim.add(40, 4)  # needs 10 blocks of the 12, and 3 are held: waits
+    plan = sim.step()
+    assert not plan.prefill and sim.sched.prefill_pending()
+    assert plan.decode_steps == 4 and [n for _, n in plan.decode] == [4]

@@ -8,7 +8,8 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
 
 * ``paged_jax``: an ``LLMEngine`` stepped in this process. A request joins the running batch
   at the first iteration after it arrives; prefill is chunked to ``--max-num-batched-tokens``
-  tokens per iteration; decode runs ``--steps-per-dispatch`` steps per dispatch. Each engine
+  tokens per iteration; decode runs ``--steps-per-dispatch`` steps per dispatch
+  (``--steps-while-prefilling`` in an iteration that also prefills). Each engine
   first compiles every prefill shape it can dispatch (``engine.warmup.warm_up``); each
   configuration is then served once untimed, so that the timed passes run on compiled
   executables, and the prefix cache is emptied before each pass.
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--steps-per-dispatch", type=int, default=8)
+    p.add_argument("--steps-while-prefilling", type=int, default=1,
+                   help="paged_jax's decode steps per dispatch in an iteration that prefills "
+                   "(at most --steps-per-dispatch)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=512)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
@@ -112,11 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     for name in ("num_prompts", "max_output_len", "max_prompt_len", "random_input_len",
-                 "max_num_batched_tokens", "steps_per_dispatch", "block_size", "kv_cache_mib",
-                 "repeats"):
+                 "max_num_batched_tokens", "steps_per_dispatch", "steps_while_prefilling",
+                 "block_size", "kv_cache_mib", "repeats"):
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.steps_while_prefilling > args.steps_per_dispatch:
+        raise ValueError(f"--steps-while-prefilling must be at most --steps-per-dispatch "
+                         f"({args.steps_per_dispatch}), got {args.steps_while_prefilling}")
     if args.max_output_len < 2:
         raise ValueError(f"--max-output-len must be >= 2 (TPOT needs two tokens), got "
                          f"{args.max_output_len}")
@@ -184,7 +191,8 @@ class PagedServer:
                 self.model, eos_token_id=None, block_size=a.block_size,
                 num_blocks=self.num_blocks, max_num_seqs=max_num_seqs,
                 max_model_len=self.max_len, max_num_batched_tokens=a.max_num_batched_tokens,
-                steps_per_dispatch=a.steps_per_dispatch, seed=a.seed, steps=self.steps,
+                steps_per_dispatch=a.steps_per_dispatch,
+                steps_while_prefilling=a.steps_while_prefilling, seed=a.seed, steps=self.steps,
                 prefill_by_width=self.prefill_by_width)
             # Every prefill shape it can meet, compiled now: which ones a run meets depends
             # on the arrival order, which an HTTP client does not keep from pass to pass.

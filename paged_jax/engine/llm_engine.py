@@ -12,7 +12,8 @@ Each ``step()`` runs one iteration of the scheduler's plan:
    samples its first token, and a request with ``n > 1`` forks its completions there
    (``fork``: they share every block; the first decode dispatch copies the partly filled
    last block on write);
-4. one ``decode_steps`` dispatch of K steps for every decoding sequence, with each row's
+4. one ``decode_steps`` dispatch of K steps for every decoding sequence (of
+   ``steps_while_prefilling`` steps in an iteration that prefills), with each row's
    remaining budget and stop ids inside the dispatch;
 5. on the host: new tokens, stop strings, finished sequences released, newly full blocks
    entered in the prefix cache.
@@ -21,7 +22,8 @@ Prefill widths are bucketed to powers of two from ``MIN_PREFILL_WIDTH`` up to
 ``max_num_batched_tokens`` and its rows to powers of two up to ``max_num_seqs``, so at most
 ``(log2(max_num_seqs) + 1) * (log2(max_num_batched_tokens / MIN_PREFILL_WIDTH) + 1)`` prefill
 executables are compiled, whatever the prompts (``prefill_buckets``). Decode compiles once
-per sampling kind in use (greedy, sampled, sampled with top-k/top-p).
+per sampling kind in use (greedy, sampled, sampled with top-k/top-p) and dispatch length (K
+and ``steps_while_prefilling``).
 """
 
 from __future__ import annotations
@@ -187,6 +189,11 @@ class LLMEngine:
       max_model_len: tokens per sequence at most, prompt plus output (the table width).
       max_num_batched_tokens: prefill tokens per iteration at most (the chunk budget).
       steps_per_dispatch: K, decode steps per dispatch.
+      steps_while_prefilling: decode steps per dispatch in an iteration that prefills (at
+        most K; 1 by default, as a step that mixes decode rows and prefill chunks would
+        make). Every decode step computes every slot's row: K steps beside each chunk hold
+        the prompt's first token behind them and run steps for slots that have nothing to
+        decode yet. Set it to K for K throughout.
       enable_prefix_caching: keep full blocks for later prompts with the same prefix.
       seed: the default for requests without their own.
       impl: the decode attention (``"auto"``, ``"xla"``, ``"pallas"``).
@@ -206,16 +213,21 @@ class LLMEngine:
     def __init__(self, model: Llama, tokenizer=None, *, eos_token_id: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 8,
                  max_model_len: int = 1024, max_num_batched_tokens: int = 512,
-                 steps_per_dispatch: int = 8, enable_prefix_caching: bool = True,
+                 steps_per_dispatch: int = 8, steps_while_prefilling: int = 1,
+                 enable_prefix_caching: bool = True,
                  seed: int = 0, impl: str = "auto", kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  debug: bool = False, steps: Steps | None = None,
                  prefill_by_width: bool = True, mesh=None):
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_model_len", max_model_len),
                             ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("steps_per_dispatch", steps_per_dispatch)):
+                            ("steps_per_dispatch", steps_per_dispatch),
+                            ("steps_while_prefilling", steps_while_prefilling)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int. Got {value!r}.")
+        if steps_while_prefilling > steps_per_dispatch:
+            raise ValueError(f"steps_while_prefilling must be at most steps_per_dispatch "
+                             f"({steps_per_dispatch}). Got {steps_while_prefilling}.")
         if num_blocks is None:
             num_blocks = plan_blocks(model.config, kv_cache_bytes, block_size).num_blocks
         max_blocks = math.ceil(max_model_len / block_size)
@@ -235,6 +247,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.steps_per_dispatch = steps_per_dispatch
+        self.steps_while_prefilling = steps_while_prefilling
         self.enable_prefix_caching = enable_prefix_caching
         self.seed, self.impl, self.debug = seed, impl, debug
         self.prefill_by_width = bool(prefill_by_width)
@@ -268,7 +281,8 @@ class LLMEngine:
 
         self.scheduler = Scheduler(max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   steps_per_dispatch=steps_per_dispatch, block_size=block_size)
+                                   steps_per_dispatch=steps_per_dispatch, block_size=block_size,
+                                   steps_while_prefilling=steps_while_prefilling)
         self.prefix_cache = PrefixCache(block_size)
         self.requests: dict[str, _Request] = {}
         self._arrivals = 0
@@ -653,7 +667,7 @@ class LLMEngine:
         toks, _, self.kv, self.state, status = self.steps.decode_steps(
             self.params, self.kv, self.state, tokens, None,
             temps if sampled else 0.0, top_k=top_k if filtered else 0,
-            top_p=top_p if filtered else 1.0, num_steps=self.steps_per_dispatch,
+            top_p=top_p if filtered else 1.0, num_steps=plan.decode_steps,
             impl=self.impl, budgets=budgets, stop_ids=stop_ids,
             seeds=seeds if sampled else None)
         toks = np.asarray(jax.device_get(toks))  # [K, S], the host round trip

@@ -3,7 +3,12 @@
 Every ``LLMEngine.step`` asks ``Scheduler.schedule`` for one iteration's plan:
 
 1. **Decode.** Every running sequence whose prompt is in the cache decodes
-   ``min(K, tokens it may still produce)`` tokens in one K-step dispatch.
+   ``min(K, tokens it may still produce)`` tokens in one K-step dispatch. While prompts
+   are being prefilled (a started prompt has chunks left, or a queued one has a free slot),
+   K is ``steps_while_prefilling`` instead (1 by default): every decode step computes every
+   slot's row, so eight steps beside each prefill chunk would hold each new prompt's first
+   token behind them and run steps for rows that have nothing to decode yet. When such an
+   iteration plans no prefill after all (the pool is short), it is planned again with K.
 2. **Preemption by recompute.** If the pool cannot hold that dispatch's blocks, the newest
    sequence (latest arrival, then highest completion index) is preempted: its slot and blocks
    are freed and it goes back to the front of the queue, to resume later from its prompt plus
@@ -112,6 +117,7 @@ class Plan:
     admitted: list[Sequence] = dataclasses.field(default_factory=list)
     prefill: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
     decode: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    decode_steps: int = 1  # the decode dispatch's number of steps (no row decodes more)
 
     @property
     def empty(self) -> bool:
@@ -123,10 +129,13 @@ class Scheduler:
     sequences between the queue and the slots; the engine reports back with ``finish``."""
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, steps_per_dispatch: int,
-                 block_size: int):
+                 block_size: int, steps_while_prefilling: int | None = None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.steps_per_dispatch = steps_per_dispatch
+        # None: K throughout (no separate setting while prefilling).
+        self.steps_while_prefilling = min(steps_while_prefilling or steps_per_dispatch,
+                                          steps_per_dispatch)
         self.block_size = block_size
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # holding a slot, in admission order
@@ -163,9 +172,24 @@ class Scheduler:
 
     # -- planning ----------------------------------------------------------------------------
 
+    def prefill_pending(self) -> bool:
+        """Whether a prompt could be prefilled now: a started one has chunks left, or the
+        first queued one has its slots free (the pool may still be short of blocks)."""
+        return (any(not s.decoding for s in self.running)
+                or bool(self.waiting and len(self.free_slots) >= self.waiting[0].fork))
+
     def schedule(self, blocks: BlockCounter) -> Plan:
-        plan = Plan()
-        k = self.steps_per_dispatch
+        if self.steps_while_prefilling < self.steps_per_dispatch and self.prefill_pending():
+            plan = self._plan(blocks, self.steps_while_prefilling)
+            # A plan without prefill or preemption changed nothing (no admission, no slot
+            # moved): planning again with K is safe.
+            if plan.prefill or plan.preempt:
+                return plan
+        return self._plan(blocks, self.steps_per_dispatch)
+
+    def _plan(self, blocks: BlockCounter, k: int) -> Plan:
+        """One iteration's plan with decode dispatches of ``k`` steps."""
+        plan = Plan(decode_steps=k)
         decode = [(s, min(k, s.remaining)) for s in self.running if s.decoding]
         free = blocks.free()
         need = {id(s): blocks.decode_need(s, n) for s, n in decode}

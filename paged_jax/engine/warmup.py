@@ -9,7 +9,8 @@ of serving. ``warm_up`` runs each shape once on padding rows, which change neith
 nor the allocator's state.
 
 The shapes are ``llm_engine.prefill_shapes``'s. Decode is warmed for greedy requests with one
-stop id (EOS); sampled requests and longer stop lists compile on first use.
+stop id (EOS), at both of the engine's dispatch lengths (``steps_per_dispatch`` and
+``steps_while_prefilling``); sampled requests and longer stop lists compile on first use.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def warm_up(engine: LLMEngine, progress: bool = True) -> int:
             np.full(rows, -1, np.int32), np.zeros(rows, np.int32), np.zeros(rows, bool))
         status.raise_if_failed()
     s = engine.cache_config.max_seqs
-    _, _, engine.kv, engine.state, status = engine.steps.decode_steps(
-        engine.params, engine.kv, engine.state, np.zeros(s, np.int32), None, 0.0, top_k=0,
-        top_p=1.0, num_steps=engine.steps_per_dispatch, impl=engine.impl,
-        budgets=np.zeros(s, np.int32), stop_ids=np.full((s, 1), -1, np.int32), seeds=None)
-    status.raise_if_failed()
+    for k in sorted({engine.steps_while_prefilling, engine.steps_per_dispatch}):
+        _, _, engine.kv, engine.state, status = engine.steps.decode_steps(
+            engine.params, engine.kv, engine.state, np.zeros(s, np.int32), None, 0.0, top_k=0,
+            top_p=1.0, num_steps=k, impl=engine.impl, budgets=np.zeros(s, np.int32),
+            stop_ids=np.full((s, 1), -1, np.int32), seeds=None)
+        status.raise_if_failed()
     return len(shapes)

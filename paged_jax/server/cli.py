@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=256)
     p.add_argument("--steps-per-dispatch", type=int, default=8)
+    p.add_argument("--steps-while-prefilling", type=int, default=1,
+                   help="decode steps per dispatch in an iteration that prefills (at most "
+                   "--steps-per-dispatch)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
               steps_per_dispatch=args.steps_per_dispatch,
+              steps_while_prefilling=args.steps_while_prefilling,
               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
               kv_cache_bytes=args.kv_cache_mib << 20)
     if args.warmup:
