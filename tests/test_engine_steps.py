@@ -869,3 +869,60 @@ def test_compiled_steps_do_no_pool_sized_work(num_steps):
             impl="xla", interpret=False, return_logits=False, sample=False)
     hlo = lowered.compile().as_text()
     assert pool_sized_work(hlo, state.buffers[0].shape[0]) == []
+
+
+@pytest.mark.parametrize("num_steps", [1, 5])
+def test_rows_runs_the_first_slots_only(split_model, num_steps):
+    """``rows=2``: slots 0 and 1 decode as the dense forward pass says (greedy logits), and
+    as sampled by seed and position, with per-row controls; slot 3, active past ``rows``,
+    emits -1, keeps its length and claims no block (the model allocator's appends)."""
+    graphdef, params = split_model
+    prompts = prompts_of([5, 12, 9], seed=31)
+    slots = np.array([1, 0, 3], np.int32)
+    kv, state, first = prefill_rows(graphdef, params, prompts, slots)
+    toks, logits, kv, state, status = decode_steps(graphdef, params, kv, state, first,
+                                                   num_steps=num_steps, return_logits=True,
+                                                   rows=2)
+    status.raise_if_failed()
+    toks, logits = np.asarray(toks), np.asarray(logits)
+    assert toks.shape == (num_steps, CACHE.max_seqs)
+    assert (toks[:, 2:] == -1).all() and not logits[:, 2:].any()
+    for slot, prompt in ((1, prompts[0]), (0, prompts[1])):
+        seq = np.concatenate([prompt, [int(first[slot])], toks[:-1, slot]])
+        ref = dense_logits(graphdef, params, seq)[len(prompt):]
+        np.testing.assert_allclose(logits[:, slot], ref, atol=TOL, rtol=0)
+        np.testing.assert_array_equal(toks[:, slot], ref.argmax(-1))
+    model = ModelAllocator(CACHE.num_blocks, CACHE.block_size, CACHE.max_seqs,
+                           CACHE.max_blocks_per_seq)
+    model.admit(list(slots), [len(p) for p in prompts])
+    for _ in range(num_steps):
+        model.append([1, 0], [1, 1])
+    assert int(state.seq_lens[3]) == len(prompts[2])
+    assert_matches_model(state, model)
+
+    # Sampled, seeded, with per-row temperature and filters: the first two slots draw what
+    # they draw with every slot computed.
+    temps = np.array([0.7, 1.3, 0.0, 2.0], np.float32)
+    top_k = np.array([0, 5, 0, 3], np.int32)
+    top_p = np.array([0.9, 1.0, 1.0, 0.5], np.float32)
+    seeds = np.array([3, 4, 5, 6], np.int32)
+    drawn = []
+    for rows in (None, 2):
+        kv, state, first = prefill_rows(graphdef, params, prompts, slots)
+        out, _, _, _, status = decode_steps(graphdef, params, kv, state, first, None, temps,
+                                            top_k=top_k, top_p=top_p, num_steps=num_steps,
+                                            seeds=seeds, rows=rows)
+        status.raise_if_failed()
+        drawn.append(np.asarray(out))
+    np.testing.assert_array_equal(drawn[1][:, :2], drawn[0][:, :2])
+    assert (drawn[1][:, 2:] == -1).all() and (drawn[0][:, 3] >= 0).all()
+
+
+@pytest.mark.parametrize("rows", [0, 5, True, 2.0])
+def test_bad_rows_are_refused_before_tracing(split_model, rows):
+    graphdef, params = split_model
+    kv, state, first = prefill_rows(graphdef, params, prompts_of([3]), np.array([0], np.int32))
+    with pytest.raises(ValueError, match=rf"rows must be None or an int in 1\.\.max_seqs \(4\)\. "
+                                         rf"Got {rows!r}\."):
+        decode_steps(graphdef, params, kv, state, first, num_steps=2, rows=rows)
+    assert int(state.seq_lens[0]) == 3

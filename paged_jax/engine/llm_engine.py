@@ -21,9 +21,11 @@ Each ``step()`` runs one iteration of the scheduler's plan:
 Prefill widths are bucketed to powers of two from ``MIN_PREFILL_WIDTH`` up to
 ``max_num_batched_tokens`` and its rows to powers of two up to ``max_num_seqs``, so at most
 ``(log2(max_num_seqs) + 1) * (log2(max_num_batched_tokens / MIN_PREFILL_WIDTH) + 1)`` prefill
-executables are compiled, whatever the prompts (``prefill_buckets``). Decode compiles once
-per sampling kind in use (greedy, sampled, sampled with top-k/top-p) and dispatch length (K
-and ``steps_while_prefilling``).
+executables are compiled, whatever the prompts (``prefill_buckets``). A decode dispatch
+computes the slots up to the highest one decoding, rounded up to a power of two
+(``decode_rows``): a step's cost grows with its rows, active or not, and slots are handed out
+lowest first. Decode compiles once per such row count, sampling kind in use (greedy, sampled,
+sampled with top-k/top-p) and dispatch length (K and ``steps_while_prefilling``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from paged_jax.kvcache import init_cache, plan_blocks
 from paged_jax.model.llama import Llama
 from paged_jax.sharding import auto_axes, check_model, init_sharded_cache, replicate, shard_params
 
-__all__ = ["EngineStats", "LLMEngine", "prefill_buckets", "prefill_shapes"]
+__all__ = ["EngineStats", "LLMEngine", "decode_rows", "prefill_buckets", "prefill_shapes"]
 
 MIN_PREFILL_WIDTH = 16
 DEFAULT_KV_BYTES = 256 << 20  # the pool's memory when num_blocks is not given
@@ -66,6 +68,12 @@ DEFAULT_KV_BYTES = 256 << 20  # the pool's memory when num_blocks is not given
 
 def _pow2_at_least(n: int, low: int, high: int) -> int:
     return min(max(low, 1 << max(n - 1, 0).bit_length()), high)
+
+
+def decode_rows(max_num_seqs: int) -> list[int]:
+    """The row counts a decode dispatch can run: the powers of two below ``max_num_seqs``,
+    and ``max_num_seqs``."""
+    return sorted({_pow2_at_least(r, 1, max_num_seqs) for r in range(1, max_num_seqs + 1)})
 
 
 def prefill_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
@@ -669,7 +677,8 @@ class LLMEngine:
             temps if sampled else 0.0, top_k=top_k if filtered else 0,
             top_p=top_p if filtered else 1.0, num_steps=plan.decode_steps,
             impl=self.impl, budgets=budgets, stop_ids=stop_ids,
-            seeds=seeds if sampled else None)
+            seeds=seeds if sampled else None,
+            rows=_pow2_at_least(max(s.slot for s, _ in plan.decode) + 1, 1, s_count))
         toks = np.asarray(jax.device_get(toks))  # [K, S], the host round trip
         status.raise_if_failed()
         # Blocks taken beyond the new ones were copies on write (a first write after a fork).

@@ -162,16 +162,24 @@ def decode_step_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockSt
     return logits, kv, state, status
 
 
+def _first_rows(x, rows: int):
+    """``x[:rows]`` for a per-row array; a scalar or None as it is."""
+    return x if x is None or jnp.ndim(x) == 0 else x[:rows]
+
+
 def decode_steps_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState, tokens,
                       key, temperature, top_k=None, top_p=None, budgets=None, stop_ids=None,
                       seeds=None, *, num_steps: int, impl: str, interpret: bool,
                       return_logits: bool, sample: bool, filtered: bool = False,
+                      rows: int | None = None,
                       hoist_max_bytes: int = strategies.HOIST_MAX_BYTES, mesh=None):
     """``decode_steps`` on checked inputs (``step_inputs.decode_steps_inputs``). Returns
     ``(tokens, logits, kv, state, status)``."""
     model = nnx.merge(graphdef, params)
+    slots = state.config.max_seqs
+    rows = slots if rows is None else rows  # the model runs on slots 0..rows-1 only
     # All K steps' blocks are claimed once, up front: the scan body does no allocator work.
-    mask = state.active
+    mask = state.active & (jnp.arange(slots) < rows)
     start = state.seq_lens  # [S]
     tokens = tokens.astype(jnp.int32)
     if budgets is not None:
@@ -181,8 +189,12 @@ def decode_steps_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockS
                                budgets)
     live = mask & status.applied
     limit = jnp.full_like(start, num_steps) if budgets is None else budgets  # [S]
+    # From here on everything is over the first `rows` slots: the rows the model computes.
+    start, live, limit, tokens = (x[:rows] for x in (start, live, limit, tokens))
+    temperature, top_k, top_p, stop_ids, seeds = (
+        _first_rows(x, rows) for x in (temperature, top_k, top_p, stop_ids, seeds))
     attention_at, extra = strategies.decode_strategy(
-        kv, state.block_tables, start, live, num_steps, impl=impl, interpret=interpret,
+        kv, state.block_tables[:rows], start, live, num_steps, impl=impl, interpret=interpret,
         hoist_max_bytes=hoist_max_bytes, mesh=mesh)
 
     def body(loop, xs):
@@ -209,6 +221,9 @@ def decode_steps_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockS
     keys = jax.random.split(key, num_steps) if sample and seeds is None else None
     steps = (jnp.arange(num_steps, dtype=jnp.int32), keys)
     (kv, _, _, _), out = jax.lax.scan(body, (kv, extra, tokens, live), steps)
-    logits = out[1] if return_logits else None
+    # Back to one column per slot: the slots past `rows` emit -1 (and zero logits).
+    pad = ((0, 0), (0, slots - rows))
+    emitted = jnp.pad(out[0], pad, constant_values=-1)  # [K, S]
+    logits = jnp.pad(out[1], (*pad, (0, 0))) if return_logits else None
     kv, state = constrain(kv, state, mesh)
-    return out[0], logits, kv, state, status
+    return emitted, logits, kv, state, status

@@ -104,10 +104,12 @@ def check_row_controls(state: BlockState, num_steps: int, budgets, stop_ids, see
 
 
 def decode_steps_inputs(kv: KVCache, state: BlockState, tokens, key, temperature, top_k, top_p,
-                        *, num_steps, impl, budgets, stop_ids, seeds, default_key=None):
+                        *, num_steps, impl, budgets, stop_ids, seeds, rows=None,
+                        default_key=None):
     """``decode_steps``' arguments, checked, as ``(args, static)``: the jitted body's
     positional arrays after the state (``tokens, key, temperature, top_k, top_p, budgets,
-    stop_ids, seeds``, None where unused) and its static ``sample`` and ``filtered``.
+    stop_ids, seeds``, None where unused) and its static ``sample``, ``filtered`` and
+    ``rows``.
 
     A Python temperature of 0 compiles a greedy-only scan (no key, no temperature); Python
     ``top_k=0`` and ``top_p=1.0`` one without the filters. A sampled call with neither
@@ -116,6 +118,11 @@ def decode_steps_inputs(kv: KVCache, state: BlockState, tokens, key, temperature
     check_decode_tokens(tokens, state)
     if not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int. Got {num_steps!r}.")
+    slots = state.config.max_seqs
+    if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool)
+                             or not 1 <= rows <= slots):
+        raise ValueError(f"rows must be None or an int in 1..max_seqs ({slots}). "
+                         f"Got {rows!r}.")
     check_cache(kv, state)
     step_impl(impl, kv, state)
     sampling.check_sampling(temperature, top_k, top_p, rows=state.config.max_seqs)
@@ -129,4 +136,5 @@ def decode_steps_inputs(kv: KVCache, state: BlockState, tokens, key, temperature
     if not filtered:
         top_k = top_p = None  # nor does a scan without the filters
     args = (tokens, key, temperature, top_k, top_p, budgets, stop_ids, seeds)
-    return args, {"sample": sample, "filtered": filtered}
+    return args, {"sample": sample, "filtered": filtered,
+                  "rows": None if rows == slots else rows}

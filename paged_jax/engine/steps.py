@@ -64,7 +64,7 @@ def _prefill(graphdef, params, kv, state, tokens, seq_ids, num_tokens, extend, *
                         all_logits=all_logits, mesh=mesh)
 
 _DECODE_STEPS_STATIC = ("num_steps", "impl", "interpret", "return_logits", "sample", "filtered",
-                        "hoist_max_bytes")
+                        "rows", "hoist_max_bytes")
 
 
 def pad_prompts(prompts, width: int | None = None) -> np.ndarray:
@@ -150,12 +150,13 @@ class Steps:
     def decode_steps(self, params, kv: KVCache, state: BlockState, tokens, key=None,
                      temperature=0.0, *, top_k=0, top_p=1.0, num_steps: int, impl: str = "auto",
                      interpret: bool = False, return_logits: bool = False, budgets=None,
-                     stop_ids=None, seeds=None):
+                     stop_ids=None, seeds=None, rows: int | None = None):
         """``decode_steps(self.graphdef, ..., hoist_max_bytes=self.hoist_max_bytes)``."""
         self._check_mesh(kv)
         args, static = decode_steps_inputs(
             kv, state, tokens, key, temperature, top_k, top_p, num_steps=num_steps, impl=impl,
-            budgets=budgets, stop_ids=stop_ids, seeds=seeds, default_key=self.default_key)
+            budgets=budgets, stop_ids=stop_ids, seeds=seeds, rows=rows,
+            default_key=self.default_key)
         return self.decode_steps_jit(params, kv, state, *args, num_steps=num_steps, impl=impl,
                                      interpret=interpret, return_logits=return_logits, **static)
 
@@ -256,6 +257,7 @@ def decode_steps(
     budgets: jax.Array | None = None,  # [max_seqs] int in 0..num_steps: steps per row
     stop_ids: jax.Array | None = None,  # [max_seqs, M] int, -1 = none: ids that end a row
     seeds: jax.Array | None = None,  # [max_seqs] int: per-row keys by (seed, position)
+    rows: int | None = None,  # the model runs on slots 0..rows-1; None: every slot
     hoist_max_bytes: int = HOIST_MAX_BYTES,
 ) -> tuple[jax.Array, jax.Array | None, KVCache, BlockState, Status]:
     """``num_steps`` decode steps in one dispatch (a ``lax.scan``), each step's token fed
@@ -270,6 +272,12 @@ def decode_steps(
     a serving loop releases it. With ``seeds``, row ``r`` draws the token at position ``p``
     with ``sampling.row_keys``: ``fold_in(key(seeds[r]), p)``, whatever else is batched
     (``key`` is then unused).
+
+    Every step computes a row per slot, active or not. With ``rows`` (a static int in
+    ``1..max_seqs``), it computes only slots ``0..rows-1``: an active slot at or past
+    ``rows`` does not decode in this dispatch (as with a budget of 0; it emits -1 and
+    claims nothing). A serving loop whose decoding slots are all below ``rows`` passes the
+    smallest such bucket and pays for those rows only (one compilation per value).
 
     A Python ``temperature`` of 0 compiles a greedy-only scan that draws no random numbers
     (``top_k`` and ``top_p`` cannot change an argmax); Python ``top_k=0`` and ``top_p=1.0``
@@ -297,7 +305,7 @@ def decode_steps(
     """
     args, static = decode_steps_inputs(
         kv, state, tokens, key, temperature, top_k, top_p, num_steps=num_steps, impl=impl,
-        budgets=budgets, stop_ids=stop_ids, seeds=seeds)
+        budgets=budgets, stop_ids=stop_ids, seeds=seeds, rows=rows)
     return _decode_steps_jit(graphdef, params, kv, state, *args, num_steps=num_steps, impl=impl,
                              interpret=interpret, return_logits=return_logits,
                              hoist_max_bytes=hoist_max_bytes, **static)

@@ -10,20 +10,21 @@ nor the allocator's state.
 
 The shapes are ``llm_engine.prefill_shapes``'s. Decode is warmed for greedy requests with one
 stop id (EOS), at both of the engine's dispatch lengths (``steps_per_dispatch`` and
-``steps_while_prefilling``); sampled requests and longer stop lists compile on first use.
+``steps_while_prefilling``) and every row count (``llm_engine.decode_rows``); sampled requests
+and longer stop lists compile on first use.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from paged_jax.engine.llm_engine import LLMEngine, prefill_shapes
+from paged_jax.engine.llm_engine import LLMEngine, decode_rows, prefill_shapes
 
 __all__ = ["prefill_shapes", "warm_up"]
 
 
 def warm_up(engine: LLMEngine, progress: bool = True) -> int:
-    """Compile ``engine``'s prefill shapes and its greedy decode dispatch; returns how many
+    """Compile ``engine``'s prefill shapes and its greedy decode dispatches; returns how many
     prefill shapes were run. Call it before the first request (it runs on padding rows and
     leaves the engine as it was)."""
     from tqdm import tqdm
@@ -39,10 +40,13 @@ def warm_up(engine: LLMEngine, progress: bool = True) -> int:
             np.full(rows, -1, np.int32), np.zeros(rows, np.int32), np.zeros(rows, bool))
         status.raise_if_failed()
     s = engine.cache_config.max_seqs
-    for k in sorted({engine.steps_while_prefilling, engine.steps_per_dispatch}):
+    decodes = [(k, rows) for k in sorted({engine.steps_while_prefilling,
+                                          engine.steps_per_dispatch})
+               for rows in decode_rows(s)]
+    for k, rows in tqdm(decodes, desc="compiling decode dispatches", disable=not progress):
         _, _, engine.kv, engine.state, status = engine.steps.decode_steps(
             engine.params, engine.kv, engine.state, np.zeros(s, np.int32), None, 0.0, top_k=0,
             top_p=1.0, num_steps=k, impl=engine.impl, budgets=np.zeros(s, np.int32),
-            stop_ids=np.full((s, 1), -1, np.int32), seeds=None)
+            stop_ids=np.full((s, 1), -1, np.int32), seeds=None, rows=rows)
         status.raise_if_failed()
     return len(shapes)
