@@ -17,13 +17,15 @@ def test_sweep_on_a_tiny_model(tiny_hf_dir, tmp_path):
     argv = ["--model", str(tiny_hf_dir), "--dataset", "random", "--num-prompts", "6",
             "--random-input-len", "24", "--max-output-len", "5", "--max-num-seqs", "4",
             "--request-rate", "inf", "50", "--max-num-batched-tokens", "32",
-            "--steps-per-dispatch", "2", "--out", str(out)]
+            "--steps-per-dispatch", "2", "--out", str(out),
+            "--systems", *bench_serve.SYSTEMS, *bench_serve.ABLATIONS]
     assert bench_serve.main(argv) == 0
     report = json.loads((out / "serve.json").read_text())
     assert (out / "serve.png").stat().st_size > 10_000
     results = report["results"]
     runs = {(r["rate"], r["max_num_seqs"], r["system"]) for r in results}
-    assert runs == {(rate, 4, s) for rate in ("inf", 50.0) for s in bench_serve.SYSTEMS}
+    assert runs == {(rate, 4, s) for rate in ("inf", 50.0)
+                    for s in (*bench_serve.SYSTEMS, *bench_serve.ABLATIONS)}
     for r in results:
         assert r["completed"] == 6
         assert r["output_tokens"] == 6 * 5  # EOS ignored: exactly max-output-len each
@@ -55,16 +57,17 @@ def test_static_batches_take_what_has_arrived(tiny_hf_dir):
         assert alone[0, len(r.prompt):].tolist() == t.tokens
 
 
-def _result(system, m, throughput, ttft, itl=(100.0, 250.0)):
+def _result(system, m, throughput, ttft, itl=(100.0, 250.0), tpot=50.0):
     return {"system": system, "rate": math.inf, "max_num_seqs": m,
             "output_throughput": throughput, "ttft_ms": {"p50": ttft},
-            "itl_ms": {"p50": itl[0], "p99": itl[1]}}
+            "tpot_ms": {"p50": tpot}, "itl_ms": {"p50": itl[0], "p99": itl[1]}}
 
 
 def test_goals_by_hand():
     results = [_result("paged_jax", 16, 60.0, 500.0), _result("generate_batch", 16, 10.0, 400.0),
                _result("generate", 16, 40.0, 900.0),
                _result(bench_serve.ONE_PREFILL, 16, 30.0, 1000.0),
+               _result("paged_jax_all_rows", 16, 48.0, 550.0, tpot=75.0),
                _result("paged_jax", 1, 20.0, 100.0, itl=(100.0, 400.0)),
                _result("generate", 1, 1.0, 300.0)]
     lines = bench_serve.goals(results)
@@ -74,7 +77,9 @@ def test_goals_by_hand():
         "rate inf, max_num_seqs 16: throughput 6.00x generate_batch (goal >= 5.0x: met); "
         "throughput 1.50x generate (goal >= 2.0x: not met); TTFT p50 500 ms vs "
         "transformers' best 400 ms (not met); ITL p99/p50 2.50 (goal <= 3.0: met); prefill "
-        "by width vs one prefill dispatch: output throughput 2.00x, TTFT p50 2.00x lower"]
+        "by width vs one prefill dispatch: output throughput 2.00x, TTFT p50 2.00x lower, "
+        "TPOT p50 1.00x lower; decode rows bucketed vs every slot: output throughput 1.25x, "
+        "TTFT p50 1.10x lower, TPOT p50 1.50x lower"]
 
 
 def test_bad_arguments():

@@ -64,9 +64,19 @@ from paged_jax.engine.serve_metrics import Request, Timing, poisson_arrivals, su
 from paged_jax.engine.warmup import warm_up
 
 SYSTEMS = ("paged_jax", "generate_batch", "generate")
-# paged_jax with every iteration's prefill chunks in one dispatch: the baseline of
-# LLMEngine(prefill_by_width=True), on request (--systems).
+# paged_jax with one of its engine's speed measures turned off, on request (--systems): what
+# the measure gains is paged_jax's figures against these, in the same run. Per name: the
+# LLMEngine arguments (a callable of the parsed args) and what the comparison is.
 ONE_PREFILL = "paged_jax_one_prefill"
+ABLATIONS = {
+    ONE_PREFILL: (lambda a: {"prefill_by_width": False},
+                  "prefill by width vs one prefill dispatch"),
+    "paged_jax_k_while_prefilling": (
+        lambda a: {"steps_while_prefilling": a.steps_per_dispatch},
+        "decode steps_while_prefilling vs K throughout"),
+    "paged_jax_all_rows": (lambda a: {"bucket_decode_rows": False},
+                           "decode rows bucketed vs every slot"),
+}
 HTTP = "paged_jax_http"  # paged_jax behind the HTTP server (--http)
 GOAL_VS_BATCH, GOAL_VS_STATIC, GOAL_ITL, GOAL_HTTP = 5.0, 2.0, 3.0, 0.10
 GOAL_MIN_SEQS = 16
@@ -98,9 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=512)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
-                   choices=[*SYSTEMS, ONE_PREFILL],
-                   help=f"servers to run; {ONE_PREFILL} is paged_jax with one prefill dispatch "
-                   "per iteration (LLMEngine(prefill_by_width=False))")
+                   choices=[*SYSTEMS, *ABLATIONS],
+                   help=f"servers to run; {', '.join(ABLATIONS)} are paged_jax with one prefill "
+                   "dispatch per iteration, K decode steps while prefilling, and every slot "
+                   "computed in each decode step")
     p.add_argument("--http", action="store_true",
                    help=f"also run {HTTP}: paged_jax through paged-jax serve's HTTP API")
     p.add_argument("--blocks-history", type=int, default=None,
@@ -167,7 +178,7 @@ class PagedServer:
     """paged_jax's ``LLMEngine`` over one model, one engine per batch limit (they share the
     model's compiled steps)."""
 
-    def __init__(self, model, args, max_len: int, prefill_by_width: bool = True,
+    def __init__(self, model, args, max_len: int, overrides: dict | None = None,
                  steps=None):
         from flax import nnx
 
@@ -175,7 +186,7 @@ class PagedServer:
         from paged_jax.kvcache import plan_blocks
 
         self.model, self.args, self.max_len = model, args, max_len
-        self.prefill_by_width = prefill_by_width
+        self.overrides = overrides or {}  # LLMEngine arguments of an ablation
         self.steps = Steps(nnx.split(model)[0]) if steps is None else steps
         self.num_blocks = plan_blocks(model.config, args.kv_cache_mib << 20,
                                       args.block_size).num_blocks
@@ -192,8 +203,8 @@ class PagedServer:
                 num_blocks=self.num_blocks, max_num_seqs=max_num_seqs,
                 max_model_len=self.max_len, max_num_batched_tokens=a.max_num_batched_tokens,
                 steps_per_dispatch=a.steps_per_dispatch,
-                steps_while_prefilling=a.steps_while_prefilling, seed=a.seed, steps=self.steps,
-                prefill_by_width=self.prefill_by_width)
+                **{"steps_while_prefilling": a.steps_while_prefilling, **self.overrides},
+                seed=a.seed, steps=self.steps)
             # Every prefill shape it can meet, compiled now: which ones a run meets depends
             # on the arrival order, which an HTTP client does not keep from pass to pass.
             warm_up(self.engines[max_num_seqs], progress=False)
@@ -284,12 +295,14 @@ def goals(results: list[dict]) -> list[str]:
             x = itl["p99"] / itl["p50"]
             checks.append(f"ITL p99/p50 {x:.2f} (goal <= {GOAL_ITL}: "
                           f"{'met' if x <= GOAL_ITL else 'not met'})")
-        if (rate, m, ONE_PREFILL) in by:
-            base = by[rate, m, ONE_PREFILL]
-            checks.append(
-                f"prefill by width vs one prefill dispatch: output throughput "
-                f"{r['output_throughput'] / base['output_throughput']:.2f}x, TTFT p50 "
-                f"{base['ttft_ms']['p50'] / r['ttft_ms']['p50']:.2f}x lower")
+        for name, (_, label) in ABLATIONS.items():
+            if (rate, m, name) in by:
+                base = by[rate, m, name]
+                checks.append(
+                    f"{label}: output throughput "
+                    f"{r['output_throughput'] / base['output_throughput']:.2f}x, TTFT p50 "
+                    f"{base['ttft_ms']['p50'] / r['ttft_ms']['p50']:.2f}x lower, TPOT p50 "
+                    f"{base['tpot_ms']['p50'] / r['tpot_ms']['p50']:.2f}x lower")
         lines.append(f"rate {rate:g}, max_num_seqs {m}: " + "; ".join(checks))
         if (rate, m, HTTP) in by:
             lines.append(f"rate {rate:g}, max_num_seqs {m}: " + http_goal(r, by[rate, m, HTTP]))
@@ -370,7 +383,7 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     rates = sorted({r["rate"] for r in results}, key=lambda x: -x)
     fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4.2), squeeze=False)
     for ax, rate in zip(axes[0], rates, strict=True):
-        for system in (*SYSTEMS, ONE_PREFILL, HTTP):
+        for system in (*SYSTEMS, *ABLATIONS, HTTP):
             pts = sorted((r["max_num_seqs"], r["output_throughput"], r["ttft_ms"]["p50"])
                          for r in results if r["rate"] == rate and r["system"] == system)
             if not pts:
@@ -435,8 +448,9 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
     paged = PagedServer(ours, args, max_len)
     if "paged_jax" in args.systems:
         servers["paged_jax"] = paged
-    if ONE_PREFILL in args.systems:  # the same compiled steps, one prefill per iteration
-        servers[ONE_PREFILL] = PagedServer(ours, args, max_len, False, paged.steps)
+    for name, (overrides, _) in ABLATIONS.items():  # over the same compiled steps
+        if name in args.systems:
+            servers[name] = PagedServer(ours, args, max_len, overrides(args), paged.steps)
     if args.http:  # its own engines over the same compiled steps (see bench_http)
         from paged_jax.server.bench_http import HttpServer
         from paged_jax.server.cli import model_name

@@ -209,6 +209,9 @@ class LLMEngine:
       prefill_by_width: run an iteration's prefill chunks as one dispatch per width class
         (a power of two), so that a short chunk is not padded to the longest one's width;
         False runs them all in one dispatch (``paged-jax bench serve`` compares the two).
+      bucket_decode_rows: run each decode dispatch on the slots up to the highest one
+        decoding, rounded up to a power of two (``decode_rows``); False computes every slot
+        in every step (``paged-jax bench serve`` compares the two).
       steps: the model's compiled ``Steps`` to reuse (engines over one model share their
         compiled prefill and decode through it); None builds one.
       mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis to run tensor parallel over its
@@ -225,7 +228,7 @@ class LLMEngine:
                  enable_prefix_caching: bool = True,
                  seed: int = 0, impl: str = "auto", kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  debug: bool = False, steps: Steps | None = None,
-                 prefill_by_width: bool = True, mesh=None):
+                 prefill_by_width: bool = True, bucket_decode_rows: bool = True, mesh=None):
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_model_len", max_model_len),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -259,6 +262,7 @@ class LLMEngine:
         self.enable_prefix_caching = enable_prefix_caching
         self.seed, self.impl, self.debug = seed, impl, debug
         self.prefill_by_width = bool(prefill_by_width)
+        self.bucket_decode_rows = bool(bucket_decode_rows)
 
         graphdef, params = nnx.split(model)
         self.graphdef, self.params = graphdef, nnx.to_pure_dict(params)
@@ -678,7 +682,8 @@ class LLMEngine:
             top_p=top_p if filtered else 1.0, num_steps=plan.decode_steps,
             impl=self.impl, budgets=budgets, stop_ids=stop_ids,
             seeds=seeds if sampled else None,
-            rows=_pow2_at_least(max(s.slot for s, _ in plan.decode) + 1, 1, s_count))
+            rows=(_pow2_at_least(max(s.slot for s, _ in plan.decode) + 1, 1, s_count)
+                  if self.bucket_decode_rows else s_count))
         toks = np.asarray(jax.device_get(toks))  # [K, S], the host round trip
         status.raise_if_failed()
         # Blocks taken beyond the new ones were copies on write (a first write after a fork).

@@ -42,7 +42,7 @@ def warm_up(engine: LLMEngine, progress: bool = True) -> int:
     s = engine.cache_config.max_seqs
     decodes = [(k, rows) for k in sorted({engine.steps_while_prefilling,
                                           engine.steps_per_dispatch})
-               for rows in decode_rows(s)]
+               for rows in (decode_rows(s) if engine.bucket_decode_rows else [s])]
     for k, rows in tqdm(decodes, desc="compiling decode dispatches", disable=not progress):
         _, _, engine.kv, engine.state, status = engine.steps.decode_steps(
             engine.params, engine.kv, engine.state, np.zeros(s, np.int32), None, 0.0, top_k=0,

@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks-history", type=int, default=256,
                    help="engine steps the /blocks page keeps (0: no page)")
     p.add_argument("--warmup", action="store_true",
-                   help="compile every prefill shape and the greedy decode before serving, so "
-                   "that no request waits for a compilation (minutes for a real model on a CPU)")
+                   help="compile every prefill shape and the greedy decode dispatches before "
+                   "serving, so that no request waits for a compilation (minutes for a real "
+                   "model on a CPU)")
     return p
 
 
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         from paged_jax.engine.warmup import warm_up
 
         shapes = warm_up(llm.engine)
-        print(f"compiled {shapes} prefill shapes and the greedy decode", flush=True)
+        print(f"compiled {shapes} prefill shapes and the greedy decode dispatches", flush=True)
     print(f"paged-jax serve: {config.model_name} on http://{args.host}:{args.port} "
           f"({llm.engine.cache_config.num_blocks} blocks of {args.block_size}, "
           f"max_num_seqs {args.max_num_seqs}; API key {'on' if args.api_key else 'off'})",
