@@ -456,3 +456,33 @@ def test_tokens_are_timed_when_the_step_that_made_them_returns(model, steps):
 def test_bad_engine_arguments_name_the_value(model, steps, kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine(model, steps, **kwargs)
+
+
+@pytest.mark.parametrize("bucket", [True, False])
+def test_decode_dispatches_compute_the_slots_up_to_the_highest_decoding_one(model, steps,
+                                                                            reference, bucket):
+    """Requests of different lengths leave their slots as they finish; each decode dispatch
+    computes the power of two of rows covering the highest slot that decodes (every slot
+    with ``bucket_decode_rows=False``), and the tokens are the dense reference's."""
+    llm = engine(model, steps, max_num_seqs=4, steps_per_dispatch=3, bucket_decode_rows=bucket)
+    eng = llm.engine
+    calls = []
+    decode_steps = eng.steps.decode_steps
+
+    def spy(*args, rows=None, num_steps, **kwargs):
+        highest = max(s.slot for s in eng.scheduler.running if s.decoding)
+        calls.append((rows, highest, num_steps, eng.scheduler.prefill_pending()))
+        return decode_steps(*args, rows=rows, num_steps=num_steps, **kwargs)
+
+    eng.steps = type("Spy", (), {"__getattr__": lambda _, n: getattr(steps, n),
+                                 "decode_steps": staticmethod(spy)})()
+    prompts = prompts_of([4, 9, 6, 3, 7, 5], seed=5)
+    lengths = [2, 4, 9, 3, 12, 6]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n)
+                                  for n in lengths], use_tqdm=False)
+    assert token_ids(outs) == [[reference(p, n)] for p, n in zip(prompts, lengths, strict=True)]
+    for rows, highest, _, _ in calls:
+        assert rows == (1 << highest.bit_length() if bucket else 4), (rows, highest)
+    # Some dispatch ran on fewer rows than slots, and both dispatch lengths ran.
+    assert min(rows for rows, *_ in calls) == (1 if bucket else 4), calls
+    assert {k for *_, k, _ in calls} == {1, 3}
