@@ -70,18 +70,21 @@ def _pow2_at_least(n: int, low: int, high: int) -> int:
     return min(max(low, 1 << max(n - 1, 0).bit_length()), high)
 
 
+def _pow2_buckets(low: int, high: int) -> list[int]:
+    """Every value ``_pow2_at_least(n, low, high)`` takes for ``n`` in ``1..high``."""
+    return sorted({_pow2_at_least(n, low, high) for n in range(1, high + 1)})
+
+
 def decode_rows(max_num_seqs: int) -> list[int]:
     """The row counts a decode dispatch can run: the powers of two below ``max_num_seqs``,
     and ``max_num_seqs``."""
-    return sorted({_pow2_at_least(r, 1, max_num_seqs) for r in range(1, max_num_seqs + 1)})
+    return _pow2_buckets(1, max_num_seqs)
 
 
 def prefill_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
     """Every ``(rows, width)`` a prefill may compile for: the bound on prefill executables."""
-    rows = sorted({_pow2_at_least(r, 1, max_num_seqs) for r in range(1, max_num_seqs + 1)})
-    widths = sorted({_pow2_at_least(w, MIN_PREFILL_WIDTH, max_num_batched_tokens)
-                     for w in range(1, max_num_batched_tokens + 1)})
-    return [(r, w) for r in rows for w in widths]
+    widths = _pow2_buckets(MIN_PREFILL_WIDTH, max_num_batched_tokens)
+    return [(r, w) for r in _pow2_buckets(1, max_num_seqs) for w in widths]
 
 
 def prefill_shapes(max_num_seqs: int, max_num_batched_tokens: int,
