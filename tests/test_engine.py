@@ -383,11 +383,18 @@ def test_events_name_every_block_the_engine_stores_removes_and_clears(model, ste
     for i, t in enumerate(tails):
         eng.add_request(f"r{i}", prefix + t, SamplingParams(
             n=2 if i == 1 else 1, temperature=0.0, max_tokens=14))
-    steps = 0
+    steps, lengths = 0, {}
     while eng.has_unfinished_requests():
-        eng.step()
+        for o in eng.step():
+            for c in o.outputs:  # a finished sequence cached its prompt and all but its last
+                lengths[o.request_id, c.index] = len(o.prompt_token_ids) + len(c.token_ids) - 1
         steps += 1
     eng.reset_prefix_cache()
+    finished = [e for e in seen if isinstance(e, ev.Finished)]
+    assert sorted((e.request_id, e.index) for e in finished) == sorted(lengths)
+    for e in finished:
+        assert e.tokens == lengths[e.request_id, e.index], e
+        assert len(e.blocks) == -(-e.tokens // 8), e
     kinds = {type(e) for e in seen}
     assert {ev.Admitted, ev.Forked, ev.Preempted, ev.Finished, ev.StepDone, ev.BlockStored,
             ev.BlockRemoved, ev.AllBlocksCleared} <= kinds

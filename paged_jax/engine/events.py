@@ -100,13 +100,17 @@ class Preempted:
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """A sequence released ``slot`` and ``blocks`` (``reason``: stop, length, abort)."""
+    """A sequence released ``slot`` and ``blocks``, which held ``tokens`` tokens
+    (``reason``: stop, length, abort). The blocks are the table as the step left it: a
+    decode dispatch may have claimed some of them (or copied one on write) before the
+    sequence finished in it."""
 
     request_id: str
     index: int
     slot: int
     blocks: list[int]
     reason: str
+    tokens: int
 
 
 @dataclasses.dataclass(frozen=True)

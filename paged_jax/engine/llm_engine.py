@@ -793,7 +793,7 @@ class LLMEngine:
         for s in seqs:
             self._publish(lambda s=s: ev.Finished(s.request_id, s.index, s.slot,
                                                   self._slot_blocks(s.slot),
-                                                  s.finish_reason or "abort"))
+                                                  s.finish_reason or "abort", s.cached))
         self._release_slots([s.slot for s in seqs])
         for s in seqs:
             s.slot = None

@@ -5,7 +5,8 @@ the step's ``StepDone``, turns them into recorder events, replays them on the pr
 snapshot (``Holdings.apply`` refuses any that does not fit) and captures the ``BlockState``
 the step left, so every picture is the engine's own state:
 
-* ``Preempted`` -> ``preempt`` and ``Finished`` -> ``free`` of every entry the sequence held;
+* ``Preempted`` -> ``preempt`` and ``Finished`` -> ``free`` of every entry the sequence held
+  (first the blocks its last dispatch claimed, the tokens it appended, its copies on write);
   ``BlockRemoved`` -> ``evict`` of the cache's reference (``AllBlocksCleared``: all of them);
   ``Admitted`` with a hit -> ``prefix_hit`` of the cached blocks; ``BlockStored`` -> the
   cache's new reference (``share`` of a block outside every table);
@@ -132,7 +133,16 @@ class EngineRecorder:
                 drop_all("preempt", self.label(e.request_id, e.index), "preempted")
                 self.counts["preempt"] += 1
             elif isinstance(e, ev.Finished):
-                drop_all("free", self.label(e.request_id, e.index), f"finished: {e.reason}")
+                name = self.label(e.request_id, e.index)
+                # What the step's dispatch did to the table before the sequence finished in
+                # it (a block claimed for its last tokens, a copy on write), then the drops.
+                done = hold.copy()
+                done.entries.pop(name, None)
+                for i, b in enumerate(e.blocks):
+                    done.entries.setdefault(name, {})[i] = (
+                        b, min(bs, max(0, e.tokens - i * bs)))
+                out += self._diffed(hold, done, step)
+                drop_all("free", name, f"finished: {e.reason}")
                 self.counts["free"] += 1
             elif isinstance(e, ev.BlockRemoved):
                 for b in e.block_ids:
