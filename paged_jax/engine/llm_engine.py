@@ -23,9 +23,10 @@ Prefill widths are bucketed to powers of two from ``MIN_PREFILL_WIDTH`` up to
 ``(log2(max_num_seqs) + 1) * (log2(max_num_batched_tokens / MIN_PREFILL_WIDTH) + 1)`` prefill
 executables are compiled, whatever the prompts (``prefill_buckets``). A decode dispatch
 computes the slots up to the highest one decoding, rounded up to a power of two
-(``decode_rows``): a step's cost grows with its rows, active or not, and slots are handed out
-lowest first. Decode compiles once per such row count, sampling kind in use (greedy, sampled,
-sampled with top-k/top-p) and dispatch length (K and ``steps_while_prefilling``).
+(``LLMEngine.decode_rows_for``): a step's cost grows with its rows, active or not, and slots
+are handed out lowest first. Decode compiles once per such row count, sampling kind in use
+(greedy, sampled, sampled with top-k/top-p) and dispatch length (K and
+``steps_while_prefilling``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from paged_jax.kvcache import init_cache, plan_blocks
 from paged_jax.model.llama import Llama
 from paged_jax.sharding import auto_axes, check_model, init_sharded_cache, replicate, shard_params
 
-__all__ = ["EngineStats", "LLMEngine", "decode_rows", "prefill_buckets", "prefill_shapes"]
+__all__ = ["EngineStats", "LLMEngine", "prefill_buckets", "prefill_shapes"]
 
 MIN_PREFILL_WIDTH = 16
 DEFAULT_KV_BYTES = 256 << 20  # the pool's memory when num_blocks is not given
@@ -73,12 +74,6 @@ def _pow2_at_least(n: int, low: int, high: int) -> int:
 def _pow2_buckets(low: int, high: int) -> list[int]:
     """Every value ``_pow2_at_least(n, low, high)`` takes for ``n`` in ``1..high``."""
     return sorted({_pow2_at_least(n, low, high) for n in range(1, high + 1)})
-
-
-def decode_rows(max_num_seqs: int) -> list[int]:
-    """The row counts a decode dispatch can run: the powers of two below ``max_num_seqs``,
-    and ``max_num_seqs``."""
-    return _pow2_buckets(1, max_num_seqs)
 
 
 def prefill_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
@@ -213,7 +208,7 @@ class LLMEngine:
         (a power of two), so that a short chunk is not padded to the longest one's width;
         False runs them all in one dispatch (``paged-jax bench serve`` compares the two).
       bucket_decode_rows: run each decode dispatch on the slots up to the highest one
-        decoding, rounded up to a power of two (``decode_rows``); False computes every slot
+        decoding, rounded up to a power of two (``decode_rows_for``); False computes every slot
         in every step (``paged-jax bench serve`` compares the two).
       steps: the model's compiled ``Steps`` to reuse (engines over one model share their
         compiled prefill and decode through it); None builds one.
@@ -654,6 +649,15 @@ class LLMEngine:
         req.seqs += children
         return children
 
+    def decode_rows_for(self, highest_slot: int) -> int:
+        """The rows a decode dispatch computes when ``highest_slot`` is the highest slot it
+        decodes: the power of two covering it (at most ``max_num_seqs``), or every slot without
+        ``bucket_decode_rows``. ``warm_up`` compiles each value this takes."""
+        s_count = self.cache_config.max_seqs
+        if not self.bucket_decode_rows:
+            return s_count
+        return _pow2_at_least(highest_slot + 1, 1, s_count)
+
     def _run_decode(self, plan: Plan, touched) -> None:
         cfg = self.cache_config
         s_count = cfg.max_seqs
@@ -685,8 +689,7 @@ class LLMEngine:
             top_p=top_p if filtered else 1.0, num_steps=plan.decode_steps,
             impl=self.impl, budgets=budgets, stop_ids=stop_ids,
             seeds=seeds if sampled else None,
-            rows=(_pow2_at_least(max(s.slot for s, _ in plan.decode) + 1, 1, s_count)
-                  if self.bucket_decode_rows else s_count))
+            rows=self.decode_rows_for(max(s.slot for s, _ in plan.decode)))
         toks = np.asarray(jax.device_get(toks))  # [K, S], the host round trip
         status.raise_if_failed()
         # Blocks taken beyond the new ones were copies on write (a first write after a fork).

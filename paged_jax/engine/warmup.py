@@ -10,7 +10,7 @@ nor the allocator's state.
 
 The shapes are ``llm_engine.prefill_shapes``'s. Decode is warmed for greedy requests with one
 stop id (EOS), at both of the engine's dispatch lengths (``steps_per_dispatch`` and
-``steps_while_prefilling``) and every row count (``llm_engine.decode_rows``); sampled requests
+``steps_while_prefilling``) and every row count (``LLMEngine.decode_rows_for``); sampled requests
 and longer stop lists compile on first use.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged_jax.engine.llm_engine import LLMEngine, decode_rows, prefill_shapes
+from paged_jax.engine.llm_engine import LLMEngine, prefill_shapes
 
 __all__ = ["prefill_shapes", "warm_up"]
 
@@ -42,7 +42,7 @@ def warm_up(engine: LLMEngine, progress: bool = True) -> int:
     s = engine.cache_config.max_seqs
     decodes = [(k, rows) for k in sorted({engine.steps_while_prefilling,
                                           engine.steps_per_dispatch})
-               for rows in (decode_rows(s) if engine.bucket_decode_rows else [s])]
+               for rows in sorted({engine.decode_rows_for(slot) for slot in range(s)})]
     for k, rows in tqdm(decodes, desc="compiling decode dispatches", disable=not progress):
         _, _, engine.kv, engine.state, status = engine.steps.decode_steps(
             engine.params, engine.kv, engine.state, np.zeros(s, np.int32), None, 0.0, top_k=0,
