@@ -136,7 +136,7 @@ def free_list_order(state: BlockState) -> list[int]:
     """The free blocks in hand-out order (host copy; eager use only)."""
     ring = np.asarray(state.free_list)
     head, count = int(state.free_head), int(state.num_free)
-    return [int(ring[(head + i) % ring.shape[0]]) for i in range(count)]
+    return ring[(head + np.arange(count)) % ring.shape[0]].tolist()
 
 
 def blocks_of(state: BlockState, seq_id: int) -> list[int]:

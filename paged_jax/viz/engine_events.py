@@ -109,7 +109,7 @@ class EngineRecorder:
                        detail=e.detail)
         if title is None:
             title = self._title(done, pending, events)
-        return rec.capture(state, names, title=title)
+        return rec.capture_snapshot(dataclasses.replace(cur, title=title))
 
     def _events(self, pending, hold: Holdings, cur: Snapshot, slots, step: int) -> list[Event]:
         """The step's events in an order that replays: the engine's drops and hits as

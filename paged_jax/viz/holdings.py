@@ -10,8 +10,9 @@ another, for whatever no caller reported.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+
+import numpy as np
 
 from paged_jax.viz.log import Event, Snapshot
 
@@ -21,11 +22,10 @@ _LOSSES = ("free", "preempt", "evict")
 
 def anonymous_held(snap: Snapshot) -> list[int]:
     """References per block held outside every table (``held`` minus outside tables)."""
-    counts = snap.held.astype(int).tolist()
+    counts = snap.held.astype(np.int64)
     for table in snap.tables.values():
-        for b in table:
-            counts[b] -= 1
-    return [max(0, c) for c in counts]
+        np.subtract.at(counts, np.asarray(table, np.int64), 1)
+    return np.maximum(counts, 0).tolist()
 
 
 @dataclasses.dataclass
@@ -49,7 +49,9 @@ class Holdings:
         return cls(entries, anonymous_held(snap), snap.ref_counts.astype(int).tolist(), bs)
 
     def copy(self) -> Holdings:
-        return copy.deepcopy(self)
+        # Entries are (block, tokens) tuples: copying the dicts and lists is a deep copy.
+        return Holdings({n: dict(t) for n, t in self.entries.items()}, list(self.anon),
+                        list(self.refs), self.block_size)
 
     def apply(self, e: Event) -> Event:
         """Replay ``e``; returns it with ``ref_count`` set to the block's count after it.
@@ -121,11 +123,9 @@ def diff_holdings(before: Holdings, after: Holdings, step: int) -> list[Event]:
         for i, (b, tokens) in sorted(old.items()):
             if i not in new or (new[i][0] != b and hold.refs[new[i][0]] != 0):
                 drops.append(Event(step, "free", name, i, b, None, tokens))
-    n = len(before.refs)
-    for b in range(n):
-        drops += [Event(step, "free", None, None, b, None, before.block_size)] * (
-            max(0, before.anon[b] - after.anon[b])
-        )
+    for b, (was, now) in enumerate(zip(before.anon, after.anon, strict=True)):
+        if was > now:
+            drops += [Event(step, "free", None, None, b, None, before.block_size)] * (was - now)
     events = [hold.apply(e) for e in drops]
     for name, new in after.entries.items():
         for i, (b, tokens) in sorted(new.items()):
@@ -138,8 +138,10 @@ def diff_holdings(before: Holdings, after: Holdings, step: int) -> list[Event]:
                                                src_block=was[0])))
             elif was[1] != tokens:
                 events.append(hold.apply(Event(step, "append", name, i, b, None, tokens)))
-    for b in range(n):
-        for _ in range(max(0, after.anon[b] - hold.anon[b])):
+    gained = [b for b, (now, was) in enumerate(zip(after.anon, hold.anon, strict=True))
+              if now > was]
+    for b in gained:
+        for _ in range(after.anon[b] - hold.anon[b]):
             kind = "alloc" if hold.refs[b] == 0 else "share"
             events.append(hold.apply(Event(step, kind, None, None, b, None, after.block_size)))
     return events

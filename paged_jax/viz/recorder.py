@@ -153,7 +153,11 @@ class Recorder:
         note names a preemption, prefix hit or eviction that did not happen; the step is
         then not recorded, and its reports and notes are dropped.
         """
-        snap = Snapshot.from_state(state, names, tables=tables, title=title)
+        return self.capture_snapshot(Snapshot.from_state(state, names, tables=tables,
+                                                         title=title))
+
+    def capture_snapshot(self, snap: Snapshot) -> int:
+        """``capture`` a ``Snapshot`` the caller already took of the state."""
         if self._log is not None and snap.config != self._log.config:
             raise ValueError(
                 f"Every step must share one CacheConfig. Got {snap.config}, recorded "
