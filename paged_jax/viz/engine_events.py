@@ -32,7 +32,7 @@ import string
 
 from paged_jax.engine import events as ev
 from paged_jax.viz.holdings import Holdings, diff_holdings
-from paged_jax.viz.log import Event, RunLog, Snapshot
+from paged_jax.viz.log import Event, RequestView, RunLog, Snapshot
 from paged_jax.viz.recorder import Recorder
 
 __all__ = ["EngineRecorder", "request_label"]
@@ -138,9 +138,9 @@ class EngineRecorder:
                 # it (a block claimed for its last tokens, a copy on write), then the drops.
                 done = hold.copy()
                 done.entries.pop(name, None)
-                for i, b in enumerate(e.blocks):
-                    done.entries.setdefault(name, {})[i] = (
-                        b, min(bs, max(0, e.tokens - i * bs)))
+                if e.blocks:
+                    done.entries[name] = RequestView(
+                        name, e.slot, tuple(e.blocks), e.tokens).entries(bs)
                 out += self._diffed(hold, done, step)
                 drop_all("free", name, f"finished: {e.reason}")
                 self.counts["free"] += 1

@@ -42,10 +42,7 @@ class Holdings:
     @classmethod
     def of(cls, snap: Snapshot) -> Holdings:
         bs = snap.config.block_size
-        entries = {
-            name: {i: (b, r.tokens_in(i, bs)) for i, b in enumerate(r.table)}
-            for name, r in snap.requests().items()
-        }
+        entries = {name: r.entries(bs) for name, r in snap.requests().items()}
         return cls(entries, anonymous_held(snap), snap.ref_counts.astype(int).tolist(), bs)
 
     def copy(self) -> Holdings:

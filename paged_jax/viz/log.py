@@ -101,6 +101,10 @@ class RequestView:
     def tokens_in(self, logical: int, block_size: int) -> int:
         return int(min(block_size, max(0, self.num_tokens - logical * block_size)))
 
+    def entries(self, block_size: int) -> dict[int, tuple[int, int]]:
+        """Logical index -> (block, tokens in it)."""
+        return {i: (b, self.tokens_in(i, block_size)) for i, b in enumerate(self.table)}
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Snapshot:
