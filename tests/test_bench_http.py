@@ -9,6 +9,7 @@ import pytest
 
 from paged_jax.engine import bench_serve
 from paged_jax.engine.serve_metrics import Request
+from paged_jax.server import bench_client
 from paged_jax.server.bench_http import HttpServer
 
 SEQS = 4
@@ -87,6 +88,31 @@ def test_a_refused_request_names_itself(served):
     with pytest.raises(RuntimeError, match=r"request 1: HTTP 400"):
         http.serve([_workload([0.0])[0], too_long], SEQS)
     assert not http.app(SEQS).state.server.aengine.running
+
+
+def test_the_client_runs_in_a_process_of_its_own(served, monkeypatch):
+    """The server's process never runs the client's replay (it would share the server's
+    interpreter lock); the child's results come back whole."""
+    out, http = served
+    reqs, in_process, _, _, _ = out["spaced"]
+
+    def in_this_process(*args, **kwargs):
+        raise AssertionError("the client replayed in the server's process")
+
+    monkeypatch.setattr(bench_client, "replay", in_this_process)
+    timings = http.serve(reqs, SEQS)
+    assert [t.tokens for t in timings] == [t.tokens for t in in_process]
+    assert all(isinstance(x, float) for t in timings for x in (t.arrival, *t.token_times))
+
+
+def test_a_client_that_cannot_connect_says_so():
+    import socket
+
+    with socket.socket() as sock:  # bound, not listening: a connection is refused
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with pytest.raises(RuntimeError, match="the benchmark client failed: ConnectError"):
+            bench_client.replay_in_subprocess(url, [Request((1, 2, 3), 2)], "m")
 
 
 def test_cli_runs_the_http_system(tiny_hf_dir, tmp_path, capsys):

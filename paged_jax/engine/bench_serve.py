@@ -24,8 +24,9 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
   when ``generate`` returns.
 
 * ``paged_jax_http`` (``--http``): the same engine behind ``paged-jax serve``'s HTTP API
-  (``paged_jax.server.bench_http``): uvicorn in a background thread on 127.0.0.1, and an
-  asyncio client that streams each request at its arrival, as ``vllm bench serve`` does;
+  (``paged_jax.server.bench_http``): uvicorn in a background thread on 127.0.0.1, and a
+  client in a process of its own (``paged_jax.server.bench_client``) that streams each
+  request at its arrival, as ``vllm bench serve`` does;
   tokens are timed when their chunk reaches the client. ``--blocks-history`` sets the
   server's ``/blocks`` recorder (default: ``paged-jax serve``'s).
 

@@ -3,15 +3,10 @@
 ``HttpServer`` serves a list of ``Request``s the way ``PagedServer`` does, but through
 ``paged-jax serve``'s app (``build_app``: the ``AsyncEngine`` loop, the Prometheus metrics
 and, by default, the ``/blocks`` recorder) run by uvicorn in a background thread on
-127.0.0.1, and an asyncio client that replays the arrivals, as ``vllm bench serve`` does:
-
-* each request is a streamed ``POST /v1/completions`` with the prompt as token ids,
-  ``temperature`` 0, ``max_tokens`` its output length, ``ignore_eos`` and
-  ``return_token_ids`` (vLLM's extensions), sent at its scheduled arrival (httpx, its SSE
-  parsed by httpx-sse);
-* a token's time is when the client parsed the chunk that carried it (a dispatch's K tokens
-  come in one chunk, one delivery); a request finishes when its ``[DONE]`` arrives; its
-  arrival is the scheduled one, as ``PagedServer`` counts it.
+127.0.0.1, and the client of ``bench_client``, which replays the arrivals from a process of
+its own, as ``vllm bench serve`` does: streamed requests sent at their scheduled arrivals,
+a token timed when its chunk reached the client, the arrival the scheduled one, as
+``PagedServer`` counts it.
 
 After each pass ``engine_side`` holds the same requests as the server's engine timed them,
 which is how the in-process benchmark times its own: the difference between the two is
@@ -30,69 +25,12 @@ prefix cache is emptied in between, while nothing else holds the engine.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-
 from paged_jax.engine.bench_serve import PagedServer
 from paged_jax.engine.serve_metrics import Request, Timing
+from paged_jax.server.bench_client import replay_in_subprocess
 from paged_jax.server.thread import running
 
-__all__ = ["HttpServer", "replay"]
-
-# Seconds a stream may wait for its next chunk: the untimed pass compiles the shapes it
-# meets inside a step, which on a small CPU takes far longer than any step.
-READ_TIMEOUT_S = 900.0
-
-
-async def _stream_one(client, model: str, i: int, r: Request,
-                      start: float) -> tuple[Timing, str]:
-    from httpx_sse import aconnect_sse
-
-    await asyncio.sleep(max(0.0, start + r.arrival - time.perf_counter()))
-    body = {"model": model, "prompt": list(r.prompt), "max_tokens": r.output_len,
-            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "stream": True}
-    times: list[float] = []
-    tokens: list[int] = []
-    finish_reason, completion_id = None, None
-    async with aconnect_sse(client, "POST", "/v1/completions", json=body) as source:
-        if source.response.status_code != 200:
-            text = (await source.response.aread()).decode(errors="replace")
-            raise RuntimeError(f"request {i}: HTTP {source.response.status_code}: {text}")
-        async for event in source.aiter_sse():
-            now = time.perf_counter()
-            if event.data == "[DONE]":
-                break
-            chunk = json.loads(event.data)
-            if "error" in chunk:
-                raise RuntimeError(f"request {i}: the server failed: {chunk['error']}")
-            completion_id = chunk["id"]
-            for choice in chunk["choices"]:
-                new = choice["token_ids"]
-                tokens.extend(new)
-                times.extend([now] * len(new))
-                finish_reason = choice["finish_reason"] or finish_reason
-    finish = time.perf_counter()
-    if len(tokens) != r.output_len or finish_reason != "length":
-        raise RuntimeError(f"request {i}: expected {r.output_len} tokens ending in 'length', "
-                           f"got {len(tokens)} ending in {finish_reason!r}.")
-    return Timing(start + r.arrival, times, finish, len(r.prompt), tokens), completion_id
-
-
-async def replay(base_url: str, requests: list[Request],
-                 model: str) -> list[tuple[Timing, str]]:
-    """Stream every request from ``base_url`` at its arrival offset (seconds after the
-    replay starts), all in flight at once; per request, in the order of ``requests``, its
-    ``Timing`` and the completion id the server gave it."""
-    import httpx
-
-    timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits,
-                                 trust_env=False) as client:  # loopback: no proxy
-        start = time.perf_counter()
-        return list(await asyncio.gather(*(_stream_one(client, model, i, r, start)
-                                           for i, r in enumerate(requests))))
+__all__ = ["HttpServer"]
 
 
 class HttpServer:
@@ -141,7 +79,7 @@ class HttpServer:
         # earlier pass cached.
         self.paged.engine(max_num_seqs).reset_prefix_cache()
         with running(app) as url:
-            served = asyncio.run(replay(url, requests, self.model_name))
+            served = replay_in_subprocess(url, requests, self.model_name)
         # The server names a completion "cmpl-<base>" and its one engine request "<base>-0".
         records = dict(self.paged.engine(max_num_seqs).finished_metrics)
         self.engine_side = []
