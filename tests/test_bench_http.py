@@ -8,7 +8,7 @@ import math
 import pytest
 
 from paged_jax.engine import bench_serve
-from paged_jax.engine.serve_metrics import Request
+from paged_jax.engine.serve_metrics import Request, Timing
 from paged_jax.server import bench_client
 from paged_jax.server.bench_http import HttpServer
 
@@ -140,8 +140,13 @@ def test_cli_runs_the_http_system(tiny_hf_dir, tmp_path, capsys):
             assert r[key] == pytest.approx(sum(x[key] for x in r["repeats"]) / 2)
         assert r["ttft_ms"]["p50"] == pytest.approx(
             sum(x["ttft_ms"]["p50"] for x in r["repeats"]) / 2)
+        # Pooled: the 8 requests of both repeats taken together.
+        assert r["pooled"]["requests"] == 8
+        assert min(x["ttft_ms"]["p50"] for x in r["repeats"]) <= r["pooled"]["ttft_ms"]["p50"]
+        assert r["pooled"]["ttft_ms"]["p50"] <= max(x["ttft_ms"]["p99"] for x in r["repeats"])
     printed = capsys.readouterr().out
     assert "rate inf, max_num_seqs 4: HTTP vs in-process: TTFT p50 " in printed
+    assert "; pooled over repeats (8 / 8 requests): TTFT p50 " in printed
 
 
 def _result(system, ttft, itl, m=16):
@@ -206,6 +211,35 @@ def test_http_goal_paired_by_repeat_by_hand():
     http["repeats"][1] = _result(bench_serve.HTTP, 330.0, None)  # a repeat without an ITL
     assert bench_serve.http_goal(paged, http).endswith(
         "paired by repeat (median of 3): TTFT p50 +20.0%, ITL p50 n/a (not met)")
+
+
+def test_pooled_latency_by_hand():
+    # Two repeats of two requests: TTFTs 1, 4 and 2, 10 s; one-token ITLs 1, 3 and 5, 7 s.
+    def timing(ttft, gap):
+        return Timing(0.0, [ttft, ttft + gap], ttft + gap, 3, [1, 2])
+
+    pooled = bench_serve.pooled_latency([timing(1, 1), timing(4, 3), timing(2, 5),
+                                         timing(10, 7)])
+    assert pooled["requests"] == 4
+    assert pooled["ttft_ms"]["p50"] == pytest.approx(3000.0)  # median of 1, 2, 4, 10 s
+    assert pooled["itl_ms"]["p50"] == pytest.approx(4000.0)   # median of 1, 3, 5, 7 s
+    assert pooled["ttft_ms"]["mean"] == pytest.approx(4250.0)
+    assert set(pooled) == {"requests", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"}
+
+
+def test_http_goal_pooled_by_hand():
+    # One slow repeat on the HTTP side moves the pairs' median but not the pooled median.
+    paged = {**_result("paged_jax", 200.0, 40.0),
+             "repeats": [_result("paged_jax", t, 40.0) for t in (100.0, 200.0, 300.0)],
+             "pooled": {"requests": 48, "ttft_ms": {"p50": 200.0}, "itl_ms": {"p50": 40.0}}}
+    http = {**_result(bench_serve.HTTP, 330.0, 41.0),
+            "repeats": [_result(bench_serve.HTTP, t, 41.0) for t in (150.0, 330.0, 315.0)],
+            "pooled": {"requests": 48, "ttft_ms": {"p50": 216.0}, "itl_ms": {"p50": 42.0}}}
+    # Pairs 1.5, 1.65, 1.05: +50%; pooled 216/200 = +8%, 42/40 = +5%.
+    assert bench_serve.http_goal(paged, http) == (
+        "HTTP vs in-process: TTFT p50 +65.0%, ITL p50 +2.5% (goal <= 10%: not met); paired by "
+        "repeat (median of 3): TTFT p50 +50.0%, ITL p50 +2.5% (not met); pooled over repeats "
+        "(48 / 48 requests): TTFT p50 +8.0%, ITL p50 +5.0% (met)")
 
 
 def test_bad_server_options_name_themselves():

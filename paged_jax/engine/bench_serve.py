@@ -271,6 +271,15 @@ def median_summary(summaries: list[dict]) -> dict:
     return merge(summaries)
 
 
+def pooled_latency(timings: list[Timing]) -> dict:
+    """The latency figures (TTFT, TPOT, ITL, E2E; ms) over the requests of every repeat of a
+    configuration taken together: each system's median TTFT over all the requests it served
+    in the run, a larger sample than one repeat's."""
+    summary = summarize(timings)
+    return {"requests": len(timings),
+            **{key: summary[key] for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")}}
+
+
 def goals(results: list[dict]) -> list[str]:
     """Lines saying, per rate and batch limit >= GOAL_MIN_SEQS, whether each goal is met."""
     lines = []
@@ -315,8 +324,9 @@ def http_goal(paged: dict, http: dict) -> str:
     (an ITL median is None when every request came in one delivery): against the in-process
     run; where both ran ``--repeats`` N > 1 times, also paired by repeat (the median over
     repeats of HTTP's figure over the in-process figure of the same repeat, the two runs
-    adjacent in time, so a drift in machine speed between repeats cancels); and, where the
-    HTTP result has it, against its own engine's timing of the same requests
+    adjacent in time, so a drift in machine speed between repeats cancels) and pooled (each
+    system's median over the requests of all its repeats, ``pooled_latency``); and, where
+    the HTTP result has it, against its own engine's timing of the same requests
     (``engine_side``)."""
     def added(ratios: dict) -> tuple[str, bool | None]:
         within, parts = [], []
@@ -348,6 +358,10 @@ def http_goal(paged: dict, http: dict) -> str:
                   for name in ("TTFT", "ITL")}
         text, ok = added(paired)
         line += f"; paired by repeat (median of {len(pairs)}): {text} ({verdict(ok)})"
+    if "pooled" in paged and "pooled" in http:
+        text, ok = added(ratios(paged["pooled"], http["pooled"]))
+        line += (f"; pooled over repeats ({paged['pooled']['requests']} / "
+                 f"{http['pooled']['requests']} requests): {text} ({verdict(ok)})")
     if "engine_side" in http:
         text, ok = added(ratios(http["engine_side"], http))
         line += f"; HTTP vs its engine, same requests: {text} ({verdict(ok)})"
@@ -477,6 +491,7 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
     runs = [(rate, m, k, s) for rate in args.request_rate for m in args.max_num_seqs
             for k in range(args.repeats) for s in servers]
     summaries, agree = collections.defaultdict(list), {}
+    pooled = collections.defaultdict(list)  # every repeat's timings, per configuration
     with tqdm(runs, desc="runs", unit="run") as bar:
         for rate, m, k, name in bar:
             bar.set_postfix(rate=f"{rate:g}", seqs=m, repeat=k, server=name)
@@ -487,6 +502,7 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
             if name == HTTP:  # the same requests as its engine timed them
                 summary["engine_side"] = summarize(servers[name].engine_side)
             summaries[rate, m, name].append(summary)
+            pooled[rate, m, name].extend(timings)
             if name == "paged_jax":  # runs first: the reference of this repeat's tokens
                 ref = [t.tokens for t in timings]
             if "paged_jax" in servers:  # the fewest agreeing in any repeat
@@ -496,7 +512,8 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
         results.append({"system": name, "rate": rate, "max_num_seqs": m,
                         "greedy_agree_with_paged_jax": agree.get((rate, m, name)),
                         **median_summary(runs_),
-                        **({"repeats": runs_} if len(runs_) > 1 else {})})
+                        **({"repeats": runs_, "pooled": pooled_latency(pooled[rate, m, name])}
+                           if len(runs_) > 1 else {})})
     print(table(results))
     for line in goals(results):
         print(line)
