@@ -4,6 +4,7 @@ three servers, the figures are consistent with the workload, and the files are w
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -94,3 +95,55 @@ def test_bad_arguments():
         with pytest.raises(ValueError, match=match):
             bench_serve.check_args(bench_serve.build_parser().parse_args(argv))
     assert math.isinf(bench_serve.build_parser().parse_args([]).request_rate[0])
+
+
+def test_matmul_flops_against_the_models_own_matrices():
+    from flax import nnx
+
+    from paged_jax.engine.serve_metrics import matmul_flops
+    from paged_jax.model.config import ModelConfig
+    from paged_jax.model.llama import Llama
+
+    cfg = ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=40, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    # Every projection kernel of every layer, counted from the built model's own arrays.
+    paths = nnx.to_flat_state(nnx.state(model))
+    per_token = sum(v.get_value().size for path, v in paths
+                    if "layers" in map(str, path) and path[-1] == "kernel")
+    assert per_token > 0
+    reqs = [Request((1, 2, 3), 2), Request((4, 5, 6, 7, 8), 4)]
+    # 8 prompt tokens and 6 generated, of which each request's last (2) is never fed back.
+    expected = 2 * (12 * per_token + 6 * cfg.vocab_size * cfg.hidden_size)
+    assert matmul_flops(cfg, reqs) == expected
+
+
+def test_throughput_bound_by_hand():
+    from paged_jax.engine.serve_metrics import throughput_bound
+
+    reqs = [Request((1,), 10, 0.0), Request((2,), 30, 0.5)]
+    # Compute-bound: 8e9 FLOP at 4e9/s take 2 s, longer than the 0.5 s arrival span.
+    assert throughput_bound(reqs, 8e9, 4e9) == pytest.approx(40 / 2.0)
+    # Arrival-bound: 1e9 FLOP take 0.25 s; the last request arrives at 0.5 s.
+    assert throughput_bound(reqs, 1e9, 4e9) == pytest.approx(40 / 0.5)
+    with pytest.raises(ValueError, match="flops_per_s must be > 0, got 0"):
+        throughput_bound(reqs, 1e9, 0)
+
+
+def test_matmul_rate_names_what_reached_it():
+    rate, where = bench_serve.matmul_rate([(64, 32, 16), (8, 8, 8)], repeats=1)
+    assert rate > 0
+    assert re.fullmatch(r"(jax|torch) \[(64x32\] @ \[32x16|8x8\] @ \[8x8)\]", where), where
+
+
+def test_goals_say_how_far_the_machine_allows():
+    results = [_result("paged_jax", 16, 60.0, 500.0), _result("generate_batch", 16, 10.0, 400.0),
+               _result("generate", 16, 40.0, 900.0)]
+    # At most 120 tok/s on this machine: 12x generate_batch's 10, 3x generate's 40.
+    line = bench_serve.goals(results, {math.inf: 120.0})[0]
+    assert line.startswith(
+        "rate inf, max_num_seqs 16: throughput 6.00x generate_batch (goal >= 5.0x: met; at most "
+        "12.00x on this machine); throughput 1.50x generate (goal >= 2.0x: not met; at most "
+        "3.00x on this machine); ")
+    # A rate without a bound says nothing of one.
+    assert "at most" not in bench_serve.goals(results, {4.0: 120.0})[0]

@@ -61,7 +61,14 @@ import time
 import numpy as np
 
 from paged_jax.engine.serve_baselines import BatchServer, StaticServer
-from paged_jax.engine.serve_metrics import Request, Timing, poisson_arrivals, summarize
+from paged_jax.engine.serve_metrics import (
+    Request,
+    Timing,
+    matmul_flops,
+    poisson_arrivals,
+    summarize,
+    throughput_bound,
+)
 from paged_jax.engine.warmup import warm_up
 
 SYSTEMS = ("paged_jax", "generate_batch", "generate")
@@ -251,6 +258,33 @@ class PagedServer:
         return [timings[i] for i in range(len(requests))]
 
 
+def matmul_rate(shapes: list[tuple[int, int, int]], repeats: int = 3) -> tuple[float, str]:
+    """The fastest f32 matmul rate measured here, FLOP/s, and what reached it: ``[m, k] @
+    [k, n]`` for each ``(m, k, n)`` of ``shapes``, in jax and in torch, best of ``repeats``
+    timed calls after one untimed call. A stand-in for the machine's peak when bounding what
+    any server can reach (``serve_metrics.throughput_bound``)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    dot = jax.jit(jnp.matmul)
+    best, where = 0.0, ""
+    rng = np.random.default_rng(0)
+    for m, k, n in shapes:
+        a = rng.standard_normal((m, k), dtype=np.float32)
+        b = rng.standard_normal((k, n), dtype=np.float32)
+        for lib, mm, x, y in (("jax", dot, jnp.asarray(a), jnp.asarray(b)),
+                              ("torch", torch.mm, torch.from_numpy(a), torch.from_numpy(b))):
+            jax.block_until_ready(mm(x, y))  # untimed: compiles, warms
+            for _ in range(repeats):
+                start = time.perf_counter()
+                jax.block_until_ready(mm(x, y))  # a torch tensor passes through
+                rate = 2.0 * m * k * n / (time.perf_counter() - start)
+                if rate > best:
+                    best, where = rate, f"{lib} [{m}x{k}] @ [{k}x{n}]"
+    return best, where
+
+
 def median_summary(summaries: list[dict]) -> dict:
     """One summary of several runs of a configuration: each figure the median of the runs'
     (None where a run has none), the rest as the first run has it."""
@@ -280,8 +314,10 @@ def pooled_latency(timings: list[Timing]) -> dict:
             **{key: summary[key] for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")}}
 
 
-def goals(results: list[dict]) -> list[str]:
-    """Lines saying, per rate and batch limit >= GOAL_MIN_SEQS, whether each goal is met."""
+def goals(results: list[dict], bounds: dict | None = None) -> list[str]:
+    """Lines saying, per rate and batch limit >= GOAL_MIN_SEQS, whether each goal is met;
+    ``bounds``, per rate, the most output tokens/s any server can reach there
+    (``serve_metrics.throughput_bound``), turned into the highest ratio reachable."""
     lines = []
     by = {(r["rate"], r["max_num_seqs"], r["system"]): r for r in results}
     for (rate, m, system), r in sorted(by.items(), key=lambda x: (str(x[0][0]), x[0][1])):
@@ -291,9 +327,12 @@ def goals(results: list[dict]) -> list[str]:
         if m >= GOAL_MIN_SEQS:
             for peer, goal in (("generate_batch", GOAL_VS_BATCH), ("generate", GOAL_VS_STATIC)):
                 if (rate, m, peer) in by:
-                    x = r["output_throughput"] / by[rate, m, peer]["output_throughput"]
+                    theirs = by[rate, m, peer]["output_throughput"]
+                    x = r["output_throughput"] / theirs
+                    reach = ("" if bounds is None or rate not in bounds
+                             else f"; at most {bounds[rate] / theirs:.2f}x on this machine")
                     checks.append(f"throughput {x:.2f}x {peer} (goal >= {goal}x: "
-                                  f"{'met' if x >= goal else 'not met'})")
+                                  f"{'met' if x >= goal else 'not met'}{reach})")
         peers = [by[rate, m, p]["ttft_ms"]["p50"] for p in ("generate_batch", "generate")
                  if (rate, m, p) in by]
         if peers:
@@ -459,6 +498,20 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
           f"transformers {transformers.__version__}, torch {torch.__version__}")
     print(f"workload: {where}; {sum(len(p) for p, _ in reqs)} prompt and "
           f"{sum(n for _, n in reqs)} output tokens")
+    # What no server can beat here: the workload's matmuls at the fastest rate measured.
+    flops = matmul_flops(cfg, [Request(p, n) for p, n in reqs])
+    rate_, fastest = matmul_rate([(1024, 1024, 1024), (2048, 2048, 2048),
+                                  (args.max_num_batched_tokens, cfg.hidden_size,
+                                   cfg.intermediate_size)])
+    bounds = {rate: throughput_bound(
+        [Request(p, n, t) for (p, n), t in
+         zip(reqs, poisson_arrivals(len(reqs), rate, seed=args.seed), strict=True)],
+        flops, rate_) for rate in args.request_rate}
+    print(f"compute floor: the workload's matmuls are at least {flops / 1e9:.0f} GFLOP (every "
+          f"token through every layer, no prefix reuse); the fastest f32 matmul here ran at "
+          f"{rate_ / 1e9:.1f} GFLOP/s ({fastest}), so no run is shorter than "
+          f"{flops / rate_:.2f} s; output throughput at most "
+          + ", ".join(f"{b:.1f} tok/s at rate {r:g}" for r, b in bounds.items()))
     servers = {}
     paged = PagedServer(ours, args, max_len)
     if "paged_jax" in args.systems:
@@ -515,11 +568,16 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
                         **({"repeats": runs_, "pooled": pooled_latency(pooled[rate, m, name])}
                            if len(runs_) > 1 else {})})
     print(table(results))
-    for line in goals(results):
+    for line in goals(results, bounds):
         print(line)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve.json").write_text(json.dumps(
-        plain({"workload": where, "args": vars(args), "results": results}), indent=1,
+        plain({"workload": where, "args": vars(args), "results": results,
+               "compute_floor": {"matmul_flops": flops, "flops_per_s": rate_,
+                                 "fastest": fastest,
+                                 "output_throughput_bound": {str(r): b
+                                                             for r, b in bounds.items()}}}),
+        indent=1,
         allow_nan=False))
     plot(results, args.out / "serve.png")
     print(f"wrote {args.out / 'serve.json'} and {args.out / 'serve.png'}")

@@ -125,3 +125,31 @@ def summarize(timings: list[Timing]) -> dict:
         "e2e_ms": _stats_ms([t.e2e for t in timings]),
         "peak_concurrency": peak_concurrency([(t.arrival, t.finish) for t in timings]),
     }
+
+
+def matmul_flops(config, requests: list[Request]) -> float:
+    """The fewest matmul FLOPs a server spends on ``requests`` when it computes every prompt
+    token (no prefix reuse) and generates each reply to its length: every prompt token, and
+    every generated token but each request's last, passes through every layer's projections
+    (q, k, v, o, gate, up, down), and each generated token comes out of one vocabulary
+    projection. Attention, norms and the rest are left out, so it is a lower bound.
+    ``config``: a ``ModelConfig`` (hidden, intermediate, heads, head_dim, layers, vocab)."""
+    e, d = config.hidden_size, config.head_dim
+    per_layer = (e * d * 2 * (config.num_heads + config.num_kv_heads)
+                 + 3 * e * config.intermediate_size)
+    prompt = sum(len(r.prompt) for r in requests)
+    output = sum(r.output_len for r in requests)
+    through_layers = prompt + output - len(requests)
+    return 2.0 * (through_layers * per_layer * config.num_layers
+                  + output * config.vocab_size * e)
+
+
+def throughput_bound(requests: list[Request], flops: float, flops_per_s: float) -> float:
+    """The most output tokens/s any server can reach on ``requests`` on a machine that
+    computes at most ``flops_per_s``: a run lasts at least as long as its ``flops`` take at
+    that rate, and at least from the first arrival to the last."""
+    if not flops_per_s > 0:
+        raise ValueError(f"flops_per_s must be > 0, got {flops_per_s!r}")
+    arrivals = [r.arrival for r in requests]
+    seconds = max(flops / flops_per_s, max(arrivals) - min(arrivals))
+    return sum(r.output_len for r in requests) / seconds
