@@ -147,3 +147,23 @@ def test_goals_say_how_far_the_machine_allows():
         "3.00x on this machine); ")
     # A rate without a bound says nothing of one.
     assert "at most" not in bench_serve.goals(results, {4.0: 120.0})[0]
+
+
+def test_each_batch_limit_runs_whole_then_is_released(tiny_hf_dir):
+    args = bench_serve.build_parser().parse_args(
+        ["--max-num-seqs", "1", "4", "--request-rate", "inf", "2", "--repeats", "2"])
+    runs = bench_serve.run_order(args, ["a", "b"])
+    # Every run of a batch limit before the next; each rate's repeats with the systems in turn.
+    assert runs == [(r, m, k, s) for m in (1, 4) for r in (math.inf, 2.0) for k in (0, 1)
+                    for s in ("a", "b")]
+    from paged_jax.model.checkpoint import load_checkpoint
+
+    args = bench_serve.build_parser().parse_args(
+        ["--max-num-batched-tokens", "32", "--steps-per-dispatch", "2"])
+    server = bench_serve.PagedServer(load_checkpoint(tiny_hf_dir), args, 64)
+    first = server.engine(2)
+    assert server.engine(2) is first  # built and warmed once per batch limit
+    server.warm_once([Request((1, 2), 1)], 2, lambda: None)
+    server.release(2)
+    assert server.engines == {} and server.warmed == set()
+    assert server.engine(2) is not first  # a new engine after release

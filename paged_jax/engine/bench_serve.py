@@ -225,6 +225,12 @@ class PagedServer:
         self.warm_once(requests, max_num_seqs, lambda: self._serve(engine, requests))
         return self._serve(engine, requests)
 
+    def release(self, max_num_seqs: int) -> None:
+        """Drop the engine of this batch limit (its pool and what it holds of the compiled
+        steps); a later ``engine(max_num_seqs)`` builds and warms a new one."""
+        self.engines.pop(max_num_seqs, None)
+        self.warmed = {key for key in self.warmed if key[0] != max_num_seqs}
+
     def warm_once(self, requests: list[Request], max_num_seqs: int, untimed_pass) -> None:
         """Run ``untimed_pass()`` the first time ``requests`` meet this batch limit; they
         count as met once it has returned."""
@@ -283,6 +289,28 @@ def matmul_rate(shapes: list[tuple[int, int, int]], repeats: int = 3) -> tuple[f
                 if rate > best:
                     best, where = rate, f"{lib} [{m}x{k}] @ [{k}x{n}]"
     return best, where
+
+
+def run_order(args, systems: list[str]) -> list[tuple[float, int, int, str]]:
+    """``(rate, batch limit, repeat, system)`` in the order they run: every run of one batch
+    limit before the next (see ``release``), and within it each rate's repeats with the
+    systems taking turns."""
+    return [(rate, m, k, s) for m in args.max_num_seqs for rate in args.request_rate
+            for k in range(args.repeats) for s in systems]
+
+
+def release(servers: dict, max_num_seqs: int) -> None:
+    """Free what the servers compiled for a batch limit whose runs are over. XLA:CPU maps
+    memory for every compiled kernel, and a batch limit's warm-up compiles every prefill
+    and decode shape it can dispatch (about 29,000 mappings at 64 sequences on SmolLM2):
+    kept for the whole sweep, they pass Linux's default ``vm.max_map_count`` (65,530) and
+    the next compilation fails for want of memory."""
+    import jax
+
+    for server in servers.values():
+        if hasattr(server, "release"):
+            server.release(max_num_seqs)
+    jax.clear_caches()
 
 
 def median_summary(summaries: list[dict]) -> dict:
@@ -541,16 +569,17 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
         if name in servers:
             servers[name].serve(warm, 1)
     results = []
-    runs = [(rate, m, k, s) for rate in args.request_rate for m in args.max_num_seqs
-            for k in range(args.repeats) for s in servers]
+    runs = run_order(args, list(servers))
     summaries, agree = collections.defaultdict(list), {}
     pooled = collections.defaultdict(list)  # every repeat's timings, per configuration
     with tqdm(runs, desc="runs", unit="run") as bar:
-        for rate, m, k, name in bar:
+        for i, (rate, m, k, name) in enumerate(bar):
             bar.set_postfix(rate=f"{rate:g}", seqs=m, repeat=k, server=name)
             arrivals = poisson_arrivals(len(reqs), rate, seed=args.seed)
             requests = [Request(p, n, t) for (p, n), t in zip(reqs, arrivals, strict=True)]
             timings = servers[name].serve(requests, m)
+            if i + 1 == len(runs) or runs[i + 1][1] != m:  # this batch limit's last run
+                release(servers, m)
             summary = summarize(timings)
             if name == HTTP:  # the same requests as its engine timed them
                 summary["engine_side"] = summarize(servers[name].engine_side)
@@ -561,7 +590,11 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
             if "paged_jax" in servers:  # the fewest agreeing in any repeat
                 same = sum(a == t.tokens for a, t in zip(ref, timings, strict=True))
                 agree[rate, m, name] = min(same, agree.get((rate, m, name), same))
-    for (rate, m, name), runs_ in summaries.items():
+    # In the table, rate by rate as asked, then batch limit, then system.
+    order = {key: i for i, key in enumerate(
+        (rate, m, name) for rate in args.request_rate for m in args.max_num_seqs
+        for name in servers)}
+    for (rate, m, name), runs_ in sorted(summaries.items(), key=lambda x: order[x[0]]):
         results.append({"system": name, "rate": rate, "max_num_seqs": m,
                         "greedy_agree_with_paged_jax": agree.get((rate, m, name)),
                         **median_summary(runs_),

@@ -67,6 +67,11 @@ class HttpServer:
             self.apps[max_num_seqs] = build_app(self.paged.engine(max_num_seqs), self.config)
         return self.apps[max_num_seqs]
 
+    def release(self, max_num_seqs: int) -> None:
+        """Drop the app and engine of this batch limit (``PagedServer.release``)."""
+        self.apps.pop(max_num_seqs, None)
+        self.paged.release(max_num_seqs)
+
     def serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
         """Serve ``requests`` timed, after an untimed pass (compiling what they need) the
         first time they meet this batch limit."""
