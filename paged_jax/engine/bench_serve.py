@@ -302,8 +302,8 @@ def run_order(args, systems: list[str]) -> list[tuple[float, int, int, str]]:
 def release(servers: dict, max_num_seqs: int) -> None:
     """Free what the servers compiled for a batch limit whose runs are over. XLA:CPU maps
     memory for every compiled kernel, and a batch limit's warm-up compiles every prefill
-    and decode shape it can dispatch (about 29,000 mappings at 64 sequences on SmolLM2):
-    kept for the whole sweep, they pass Linux's default ``vm.max_map_count`` (65,530) and
+    and decode shape it can dispatch (tens of thousands of mappings at 64 sequences on
+    SmolLM2): kept for the whole sweep, they pass Linux's default ``vm.max_map_count`` (65,530) and
     the next compilation fails for want of memory."""
     import jax
 
@@ -531,10 +531,12 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
     rate_, fastest = matmul_rate([(1024, 1024, 1024), (2048, 2048, 2048),
                                   (args.max_num_batched_tokens, cfg.hidden_size,
                                    cfg.intermediate_size)])
-    bounds = {rate: throughput_bound(
-        [Request(p, n, t) for (p, n), t in
-         zip(reqs, poisson_arrivals(len(reqs), rate, seed=args.seed), strict=True)],
-        flops, rate_) for rate in args.request_rate}
+    # Each rate's requests, as every server and repeat at that rate meets them.
+    at_rate = {rate: [Request(p, n, t) for (p, n), t in
+                      zip(reqs, poisson_arrivals(len(reqs), rate, seed=args.seed), strict=True)]
+               for rate in args.request_rate}
+    bounds = {rate: throughput_bound(requests, flops, rate_)
+              for rate, requests in at_rate.items()}
     print(f"compute floor: the workload's matmuls are at least {flops / 1e9:.0f} GFLOP (every "
           f"token through every layer, no prefix reuse); the fastest f32 matmul here ran at "
           f"{rate_ / 1e9:.1f} GFLOP/s ({fastest}), so no run is shorter than "
@@ -575,9 +577,7 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
     with tqdm(runs, desc="runs", unit="run") as bar:
         for i, (rate, m, k, name) in enumerate(bar):
             bar.set_postfix(rate=f"{rate:g}", seqs=m, repeat=k, server=name)
-            arrivals = poisson_arrivals(len(reqs), rate, seed=args.seed)
-            requests = [Request(p, n, t) for (p, n), t in zip(reqs, arrivals, strict=True)]
-            timings = servers[name].serve(requests, m)
+            timings = servers[name].serve(at_rate[rate], m)
             if i + 1 == len(runs) or runs[i + 1][1] != m:  # this batch limit's last run
                 release(servers, m)
             summary = summarize(timings)
