@@ -7,14 +7,22 @@ to the ``slot_mapping`` slots (``block * block_size + offset``), indexing the bu
 ``[layer, :, block, offset]``; a ``-1`` slot is sent out of range and dropped, so padding and
 inactive rows never write.
 Under a jitted step that donates the buffers, every update here happens in place.
+
+On CPU a 16-bit float pool is stored as its bits, ``uint16`` (``KVCache.dtype`` names the
+values' dtype): XLA:CPU has no bf16 scatter and rewrites one as a conversion of the whole
+buffer to f32 and back, so every write would cost a pass over the pool; a ``uint16`` scatter
+writes in place. Readers take the bits as values with ``KVCache.values`` (or pass the pages
+on: ``paged_attention`` accepts a 16-bit query's pages as ``uint16`` bits).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from paged_jax.allocator import CacheConfig
@@ -25,6 +33,16 @@ from paged_jax.model.config import ModelConfig
 class KVCache:
     k: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
     v: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    # The values' dtype where the buffers hold their bits (uint16); None: the buffers' own.
+    dtype: Any = struct.field(pytree_node=False, default=None)
+
+    @property
+    def value_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype if self.dtype is not None else self.k.dtype)
+
+    def values(self, pages: jax.Array) -> jax.Array:
+        """``pages`` read from ``k`` or ``v`` (any slice or gather) as ``value_dtype``."""
+        return as_values(pages, self.value_dtype)
 
     @property
     def num_blocks(self) -> int:
@@ -35,12 +53,40 @@ class KVCache:
         return self.k.shape[3]
 
 
-def init_cache(model: ModelConfig, cache: CacheConfig, dtype=None, fill: float = 0.0) -> KVCache:
+def storage_dtype(dtype, platform: str | None = None) -> jnp.dtype:
+    """The dtype a pool of ``dtype`` values is kept in on ``platform`` (default: JAX's default
+    backend): ``uint16`` for a 16-bit float on CPU (see the module docstring), else ``dtype``."""
+    dtype = jnp.dtype(dtype)
+    platform = platform or jax.default_backend()
+    if platform == "cpu" and dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
+        return jnp.dtype(jnp.uint16)
+    return dtype
+
+
+def as_values(pages: jax.Array, dtype) -> jax.Array:
+    """``pages`` as ``dtype`` values: a bitcast when they are the bits (``uint16``) of a 16-bit
+    float ``dtype``, else ``pages`` unchanged."""
+    dtype = jnp.dtype(dtype)
+    if pages.dtype == dtype or pages.dtype != jnp.uint16 or dtype.itemsize != 2:
+        return pages
+    return jax.lax.bitcast_convert_type(pages, dtype)
+
+
+def as_bits(x: jax.Array, storage) -> jax.Array:
+    """``x`` (values in any float dtype) as they are stored in a ``storage``-dtype buffer of
+    16-bit ``value_dtype`` values: the inverse of ``as_values``."""
+    return x if jnp.dtype(storage) == x.dtype else jax.lax.bitcast_convert_type(x, storage)
+
+
+def init_cache(model: ModelConfig, cache: CacheConfig, dtype=None, fill: float = 0.0,
+               platform: str | None = None) -> KVCache:
     """Zeroed (or ``fill``-ed, e.g. NaN to poison) K/V buffers for ``cache.num_blocks`` blocks.
 
     ``dtype``, if given, must be the model's: the steps attend with queries in the model's
     dtype, and both attention paths take q, k and v in one dtype. A mismatch fails here, not
-    when a step is traced."""
+    when a step is traced. The buffers are kept in ``storage_dtype(dtype, platform)``: on CPU
+    a bf16 or f16 pool holds its bits as ``uint16`` (``KVCache.dtype`` is then the values'
+    dtype); ``platform="gpu"`` keeps the values' own dtype anywhere."""
     shape = (model.num_layers, model.num_kv_heads, cache.num_blocks, cache.block_size,
              model.head_dim)
     if dtype is not None and jnp.dtype(dtype) != model.jnp_dtype:
@@ -49,7 +95,12 @@ def init_cache(model: ModelConfig, cache: CacheConfig, dtype=None, fill: float =
             f"queries, keys and values in one dtype. Got {jnp.dtype(dtype).name}."
         )
     dtype = model.jnp_dtype
-    return KVCache(k=jnp.full(shape, fill, dtype), v=jnp.full(shape, fill, dtype))
+    storage = storage_dtype(dtype, platform)
+    if storage == dtype:
+        return KVCache(k=jnp.full(shape, fill, dtype), v=jnp.full(shape, fill, dtype))
+    bits = np.asarray(fill, dtype).view(storage)  # the fill value's bit pattern
+    return KVCache(k=jnp.full(shape, bits, storage), v=jnp.full(shape, bits, storage),
+                   dtype=dtype)
 
 
 def write(
@@ -76,10 +127,10 @@ def write(
     block, offset = target // block_size, target % block_size  # a dropped slot: block past end
 
     def scatter(buf, new):
-        new = new.reshape(-1, heads, head_dim).astype(buf.dtype)  # [n, heads, head_dim]
-        return buf.at[layer, :, block, offset].set(new, mode="drop")
+        new = new.reshape(-1, heads, head_dim).astype(kv.value_dtype)  # [n, heads, head_dim]
+        return buf.at[layer, :, block, offset].set(as_bits(new, buf.dtype), mode="drop")
 
-    return KVCache(k=scatter(kv.k, k), v=scatter(kv.v, v))
+    return kv.replace(k=scatter(kv.k, k), v=scatter(kv.v, v))
 
 
 def copy_blocks(
@@ -95,7 +146,7 @@ def copy_blocks(
     def copy(buf):
         return buf.at[:, :, dst].set(buf[:, :, src], mode="drop")
 
-    return KVCache(k=copy(kv.k), v=copy(kv.v))
+    return kv.replace(k=copy(kv.k), v=copy(kv.v))
 
 
 @dataclasses.dataclass(frozen=True)

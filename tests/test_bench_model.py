@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import re
 
+import jax
 import pytest
 import torch
+from flax import nnx
 
 from paged_jax.engine import bench, bench_model
 
@@ -75,3 +77,37 @@ def test_bench_decode_hands_a_real_model_to_bench_model_which_checks_its_flags(a
     # Refused before anything loads: the message comes from bench_model's checks.
     with pytest.raises(SystemExit, match=message):
         bench.main(["--model", "smollm2", *args] if "--checkpoint" not in args else args)
+
+
+def test_bench_decode_in_bf16_runs_both_sides_on_the_same_rounded_weights(capsys, smollm2):
+    """``--dtype bfloat16``: both sides hold the GGUF's weights rounded to bf16, bit for bit
+    (transformers' model cast from the session's f32 one, as ``from_pretrained(dtype=...)``
+    casts the same dequantised tensors); the table and the ablation lines parse."""
+    import copy
+
+    from paged_jax.model.gguf import load_gguf, open_gguf
+
+    ours = load_gguf(open_gguf(smollm2.path), "bfloat16")
+    theirs = copy.deepcopy(smollm2.theirs).to(torch.bfloat16)
+    for name in ("q_proj", "k_proj"):  # the two llama.cpp permutes
+        want = getattr(theirs.model.layers[0].self_attn, name).weight.detach().float().numpy()
+        got = getattr(ours.layers[0].self_attn, name).kernel.get_value()
+        assert got.dtype == "bfloat16" and (got.astype("float32") == want.T).all(), name
+    models = bench_model.Models(smollm2.path, smollm2.tokenizer, ours, theirs)
+    with pytest.raises(ValueError, match="--dtype float32 is not the loaded models' bfloat16"):
+        bench_model.main(["--batch", "1"], models=models)
+    assert bench_model.main(["--batch", "2", "--tokens", "8", "--rounds", "1",
+                             "--dtype", "bfloat16"], models=models) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16 on both sides" in out
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(ours)))  # tied: all read
+    assert (f"reads all {weight_bytes / 1e6:.0f} MB of weights" in out
+            and "a jitted sum over f32 arrays of the same bytes" in out), out
+    rows = [m for m in map(ROW.match, out.splitlines()) if m]
+    assert len(rows) == 1 and rows[0][1] == "2", out
+    plain = re.search(r"batch 2: ([\d.]+) tok/s; with them ([\d.]+)x that \((\d)/2 rows", out)
+    assert plain and float(plain[1]) > 0, out
+    assert float(plain[2]) == pytest.approx(float(rows[0][2]) / float(plain[1]), rel=0.02)
+    write = re.search(r"256 MiB bfloat16 pool: ([\d.]+) ms kept as uint16 bits, ([\d.]+) ms "
+                      r"stored as bfloat16", out)
+    assert write and float(write[1]) > 0 and float(write[2]) > 0, out

@@ -28,11 +28,55 @@ def test_init_cache_layout():
     kv = init_cache(TINY, CACHE, fill=np.nan)
     assert kv.k.shape == (2, 2, 6, 8, 64) == kv.v.shape  # [L, Hkv, blocks, block_size, D]
     assert kv.k.dtype == jnp.float32 and bool(jnp.isnan(kv.k).all())
-    assert init_cache(TINY.replace(dtype="bfloat16"), CACHE).k.dtype == jnp.bfloat16
     assert init_cache(TINY, CACHE, dtype="float32").k.dtype == jnp.float32
     # A cache in another dtype than the model's could never be attended: refused here.
     with pytest.raises(ValueError, match=r"must be the model's \(float32\).*Got bfloat16"):
         init_cache(TINY, CACHE, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_pool_is_kept_as_its_bits_on_cpu(dtype):
+    model = TINY.replace(dtype=dtype)
+    kv = init_cache(model, CACHE, fill=np.nan)  # this suite runs on CPU
+    assert kv.k.dtype == kv.v.dtype == jnp.uint16 and kv.value_dtype == jnp.dtype(dtype)
+    nan_bits = np.asarray(np.nan, jnp.dtype(dtype)).view(np.uint16)
+    assert (np.asarray(kv.k) == nan_bits).all() and bool(jnp.isnan(kv.values(kv.k)).all())
+    native = init_cache(model, CACHE, platform="gpu")  # what a GPU pool holds
+    assert native.k.dtype == jnp.dtype(dtype) and native.value_dtype == jnp.dtype(dtype)
+    assert kvcache.storage_dtype("float32") == jnp.float32
+    assert kvcache.storage_dtype(dtype, "cuda") == jnp.dtype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_write_lands_the_rounded_values_in_place(dtype):
+    """Against numpy (ml_dtypes) rounding of the f32 inputs: the bits pool holds exactly the
+    rounded values, and the compiled write never converts the whole buffer (what XLA:CPU
+    does to a bf16 scatter: a pass over the pool per write)."""
+    rng = np.random.default_rng(4)
+    kv = init_cache(TINY.replace(dtype=dtype), CACHE)
+    slots = np.array([[3, 17, -1], [47, -1, 8]], np.int32)
+    k = rng.normal(size=(2, 3, 2, 64)).astype(np.float32)
+    v = rng.normal(size=(2, 3, 2, 64)).astype(np.float32)
+    want_k = np.zeros(kv.k.shape, jnp.dtype(dtype))
+    want_v = want_k.copy()
+    for b, t in zip(*np.nonzero(slots >= 0), strict=True):
+        s = slots[b, t]
+        want_k[1, :, s // 8, s % 8] = k[b, t].astype(jnp.dtype(dtype))
+        want_v[1, :, s // 8, s % 8] = v[b, t].astype(jnp.dtype(dtype))
+    step = jax.jit(write, static_argnums=1, donate_argnums=0)
+    hlo = step.lower(kv, 1, jnp.asarray(slots), k, v).compile().as_text()
+    shape = ",".join(map(str, kv.k.shape))
+    hlo_name = {"bfloat16": "bf16", "float16": "f16"}[dtype]
+    assert f"f32[{shape}]" not in hlo and f"{hlo_name}[{shape}]" not in hlo
+    pointer = kv.k.unsafe_buffer_pointer()
+    out = step(kv, 1, jnp.asarray(slots), k, v)
+    assert out.k.unsafe_buffer_pointer() == pointer
+    np.testing.assert_array_equal(np.asarray(out.k), want_k.view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(out.values(out.v)), want_v)
+    copied = jax.jit(copy_blocks)(out, jnp.array([0], jnp.int32), jnp.array([5], jnp.int32))
+    want_k[:, :, 5] = want_k[:, :, 0]
+    assert copied.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(copied.values(copied.k)), want_k)
 
 
 @pytest.mark.parametrize("layer", [0, 1])

@@ -295,6 +295,23 @@ def test_xla_matches_reference(block_size, group, head_dim, dtype):
     check_against_reference(case, paged_attention(*inputs(case), impl="xla"))
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_pages_given_as_their_uint16_bits(impl, dtype):
+    """The CPU pool keeps 16-bit pages as uint16 bits: both paths read them as q's dtype,
+    matching the float64 reference and, bit for bit, the same pages given as values."""
+    case = standard_case(16, 4, 64, dtype)
+    bits = {**case, **{name: jax.lax.bitcast_convert_type(case[name], jnp.uint16)
+                       for name in ("k_pages", "v_pages")}}
+    out = paged_attention(*inputs(bits), impl=impl, interpret=True)
+    check_against_reference(case, out)
+    want = paged_attention(*inputs(case), impl=impl, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
+                                  np.asarray(want.astype(jnp.float32)))
+    with pytest.raises(ValueError, match="uint16 bits.*Got float32, uint16"):
+        paged_attention(case["q"].astype(jnp.float32), *inputs(bits)[1:], impl=impl)
+
+
 @pytest.mark.parametrize(("block_size", "head_dim"), [(3, 16), (4, 16), (1, 8), (5, 24), (16, 2)])
 @pytest.mark.parametrize("impl", ["xla", "auto"])
 def test_shapes_only_the_kernel_refuses_run_on_the_xla_path(block_size, head_dim, impl):

@@ -1,9 +1,15 @@
 """Decode throughput of a real checkpoint: paged_jax against Hugging Face transformers.
 
 ``paged-jax bench decode --model smollm2`` loads SmolLM2-135M-Instruct from its GGUF file
-twice, into paged_jax and into transformers (CPU torch), both in f32 and from the same
-weights, and times greedy decoding of the same chat prompts at each ``--batch`` size
-(``--checkpoint PATH`` takes another GGUF file or Hugging Face directory).
+twice, into paged_jax and into transformers (CPU torch), both in ``--dtype`` (f32 by default)
+and from the same weights, and times greedy decoding of the same chat prompts at each
+``--batch`` size (``--checkpoint PATH`` takes another GGUF file or Hugging Face directory).
+
+In bf16 it also times paged_jax without its CPU measures for 16-bit models (the pool kept as
+uint16 bits, ``paged_jax.kvcache``; the model's ``cpu_16bit_paths``: f32-accumulated dots,
+the embedding gathered as bits): the pool stored as bf16 and the model's plain XLA ops, in a
+pool as tight as the main runs'. A bf16 pool's write costs a pass over the whole pool, so
+the run also times one layer's K/V write into the engine's default 256 MiB pool, both ways.
 
 What is timed, on both sides, is decode only. Each round starts afresh: the prompts are
 prefilled (untimed), giving every row its first new token on the host; then the clock runs
@@ -43,7 +49,7 @@ from flax import nnx
 
 from paged_jax.allocator import CacheConfig, init_state
 from paged_jax.engine.steps import Steps, pad_prompts
-from paged_jax.kvcache import init_cache
+from paged_jax.kvcache import init_cache, plan_blocks, write
 from paged_jax.model import load_checkpoint
 from paged_jax.model.gguf import load_gguf, open_gguf
 from paged_jax.model.llama import Llama
@@ -78,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-dispatch", type=int, default=8, help="paged_jax's K")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="both sides' weights (the checkpoint's, rounded to it) and activations")
     p.add_argument("--show-tokens", action="store_true",
                    help="print every row's greedy ids from both sides")
     return p
@@ -107,24 +115,25 @@ def prompt_ids(tokenizer: Tokenizer, batch: int) -> list[list[int]]:
                              add_special_tokens=False) for q in QUESTIONS[:batch]]
 
 
-def load_transformers(path: pathlib.Path):
-    """The same checkpoint in transformers, f32, in eval mode."""
+def load_transformers(path: pathlib.Path, dtype: str = "float32"):
+    """The same checkpoint in transformers, in ``dtype``, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    torch_dtype = getattr(torch, dtype)
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                     dtype=torch.float32)
+                                                     dtype=torch_dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     return model.eval()
 
 
 @dataclasses.dataclass(frozen=True)
 class Models:
     """One checkpoint loaded for both sides: its tokenizer, paged_jax's ``Llama`` and
-    transformers' model, both f32. ``Models.load`` takes a .gguf file or a Hugging Face
-    directory."""
+    transformers' model, both in one dtype (``ours.config.dtype``). ``Models.load`` takes a
+    .gguf file or a Hugging Face directory."""
 
     path: pathlib.Path
     tokenizer: Tokenizer
@@ -132,14 +141,14 @@ class Models:
     theirs: Any
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Models:
+    def load(cls, path: str | os.PathLike, dtype: str = "float32") -> Models:
         path = pathlib.Path(path)
         if path.suffix == ".gguf":
             reader = open_gguf(path)  # one read of the metadata for the tokenizer and model
-            tokenizer, ours = Tokenizer.from_gguf(reader), load_gguf(reader, "float32")
+            tokenizer, ours = Tokenizer.from_gguf(reader), load_gguf(reader, dtype)
         else:
-            tokenizer, ours = Tokenizer.from_hf_dir(path), load_checkpoint(path, "float32")
-        return cls(path, tokenizer, ours, load_transformers(path))
+            tokenizer, ours = Tokenizer.from_hf_dir(path), load_checkpoint(path, dtype)
+        return cls(path, tokenizer, ours, load_transformers(path, dtype))
 
 
 class PagedRunner:
@@ -148,12 +157,13 @@ class PagedRunner:
     decode seconds)``."""
 
     def __init__(self, model, prompts: list[list[int]], tokens: int, k: int, block_size: int,
-                 impl: str):
+                 impl: str, platform: str | None = None):
         self.graphdef, params = nnx.split(model)
         self.steps = Steps(self.graphdef)  # compiled once; no graph hashing per dispatch
         self.params = nnx.to_pure_dict(params)  # what a serving loop passes (see engine.steps)
         self.config, self.prompts, self.tokens, self.k, self.impl = (
             model.config, prompts, tokens, k, impl)
+        self.platform = platform  # init_cache's: "gpu" keeps a 16-bit pool in its own dtype
         batch = len(prompts)
         # A tight pool: the xla path attends over every row's max_blocks_per_seq blocks, so
         # a larger table would time padding, not decoding.
@@ -164,7 +174,8 @@ class PagedRunner:
         self.lens = jnp.array([len(p) for p in prompts])
 
     def run(self) -> tuple[np.ndarray, float]:
-        kv, state = init_cache(self.config, self.cache), init_state(self.cache)
+        kv = init_cache(self.config, self.cache, platform=self.platform)
+        state = init_state(self.cache)
         logits, kv, state, status = self.steps.prefill(self.params, kv, state, self.padded,
                                                        jnp.arange(len(self.prompts)), self.lens)
         status.raise_if_failed()
@@ -190,18 +201,30 @@ class WeightRead:
     seconds`` tokens/s, where ``seconds`` is how long reading them all once takes here.
     ``run()`` times that read: one jitted sum over those parameters (``bytes`` in all; an
     untied input embedding is left out, as a step reads only its rows), which XLA streams at
-    close to the machine's read bandwidth."""
+    close to the machine's read bandwidth. XLA:CPU sums a 16-bit array by converting every
+    element, slower than memory; for 16-bit weights the sum reads f32 arrays of the same
+    sizes in bytes instead (``stand_in``)."""
 
     def __init__(self, model: Llama):
         params = nnx.to_pure_dict(nnx.state(model))
         if not model.config.tie_word_embeddings:
             params = {k: v for k, v in params.items() if k != "embed_tokens"}
+        self.stand_in = model.config.jnp_dtype.itemsize != 4
+        if self.stand_in:
+            # The same shapes with the minor axis halved (a 1-D sum runs slower than memory).
+            params = jax.tree.map(
+                lambda x: jnp.ones((*x.shape[:-1], x.shape[-1] * x.dtype.itemsize // 4),
+                                   jnp.float32), params)
         self.params = params
         self.bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         self.read = jax.jit(lambda ps: sum(jnp.sum(x, dtype=jnp.float32)
                                            for x in jax.tree.leaves(ps)))
 
     def run(self) -> float:
+        """Seconds of one read that follows another, untimed: the weights as a run of decode
+        steps finds them. (On this kind of VM, memory left idle while the other side runs
+        reads several times slower the first time it is touched again.)"""
+        jax.block_until_ready(self.read(self.params))
         start = time.perf_counter()
         jax.block_until_ready(self.read(self.params))
         return time.perf_counter() - start
@@ -251,6 +274,35 @@ class TorchRunner:
         return torch.stack(ids, dim=1).numpy(), seconds
 
 
+def without_cpu_measures(model: Llama) -> Llama:
+    """``model`` with the same parameters, built with ``cpu_16bit_paths=False``: XLA's plain
+    bf16 ops (a bf16 dot is computed in a generic f32 loop, a gather converts the whole
+    table) where ``model`` takes the paths XLA:CPU runs fast. The tied projection's f32
+    logits are kept, so both give the same values."""
+    plain = nnx.eval_shape(lambda: Llama(model.config, rngs=nnx.Rngs(0), cpu_16bit_paths=False))
+    nnx.update(plain, nnx.state(model))
+    return plain
+
+
+def pool_write_seconds(config, platform: str | None, pool_bytes: int = 256 * 2**20,
+                       repeats: int = 5) -> float:
+    """Fastest of ``repeats`` donated ``kvcache.write`` calls of one token's K/V, layer 0,
+    into a pool of ``pool_bytes`` (``init_cache(platform=...)``)."""
+    blocks = plan_blocks(config, pool_bytes).num_blocks
+    kv = init_cache(config, CacheConfig(num_blocks=blocks, block_size=16, max_seqs=1,
+                                        max_blocks_per_seq=1), platform=platform)
+    step = jax.jit(write, static_argnums=1, donate_argnums=0)
+    new = jnp.ones((1, config.num_kv_heads, config.head_dim), config.jnp_dtype)
+    slots = jnp.array([3], jnp.int32)
+    kv = jax.block_until_ready(step(kv, 0, slots, new, new))  # compile
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kv = jax.block_until_ready(step(kv, 0, slots, new, new))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def agreement(ours: np.ndarray, theirs: np.ndarray) -> list[int | None]:
     """Per row of ``ours`` and ``theirs`` ([B, N] ids): the first position where they differ,
     or None where the row agrees fully."""
@@ -267,14 +319,18 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
     from tqdm import tqdm
 
     if models is None:
-        models = Models.load(args.checkpoint or default_gguf_path())
+        models = Models.load(args.checkpoint or default_gguf_path(), args.dtype)
     elif args.checkpoint is not None and args.checkpoint != models.path:
         raise ValueError(f"--checkpoint {args.checkpoint} is not the loaded {models.path}.")
+    elif models.ours.config.dtype != args.dtype:
+        raise ValueError(f"--dtype {args.dtype} is not the loaded models' "
+                         f"{models.ours.config.dtype}.")
     path, tokenizer, ours, theirs = models.path, models.tokenizer, models.ours, models.theirs
     cfg = ours.config
+    ablate = cfg.jnp_dtype.itemsize == 2
     print(f"paged-jax bench decode, checkpoint {os.fspath(path)}")
     print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
-          f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, float32 on "
+          f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, {cfg.dtype} on "
           f"both sides")
     print(f"paged_jax: jax {jax.__version__}, backend {jax.default_backend()}, "
           f"decode_steps K={args.steps_per_dispatch}, block {args.block_size}, impl {args.impl}")
@@ -298,6 +354,10 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
                                          args.block_size, args.impl),
                 "transformers": TorchRunner(theirs, prompts, args.tokens, pad_id),
             }
+            if ablate:
+                sides["plain"] = PagedRunner(without_cpu_measures(ours), prompts, args.tokens,
+                                             args.steps_per_dispatch, args.block_size,
+                                             args.impl, platform="gpu")
             ids = {name: side.run()[0] for name, side in sides.items()}  # warm-up, compile
             bar.update()
             seconds = {name: [] for name in sides}
@@ -324,12 +384,27 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
     read = min(floor_s)
     print(f"memory floor: a decode step reads all {floor.bytes / 1e6:.0f} MB of weights at "
           f"least once; reading them once here takes {1e3 * read:.1f} ms "
-          f"({floor.bytes / read / 1e9:.1f} GB/s, a jitted sum, fastest of {len(floor_s)}), "
+          f"({floor.bytes / read / 1e9:.1f} GB/s, a jitted sum"
+          f"{' over f32 arrays of the same bytes' if floor.stand_in else ''}, fastest of "
+          f"{len(floor_s)}), "
           f"so a step of B rows is at most B / {1e3 * read:.1f} ms:")
     for batch, rates, _, _ in results:
         top = batch / read
         print(f"  batch {batch}: at most {top:.1f} tok/s, {top / rates['transformers']:.2f}x "
               f"transformers; paged_jax runs at {rates['paged_jax'] / top:.0%} of it")
+    if ablate:
+        print(f"paged_jax without its CPU measures for {cfg.dtype} (the pool stored as "
+              f"{cfg.dtype}, the model built with cpu_16bit_paths=False), same tight pool:")
+        for batch, rates, _, ids in results:
+            same = sum(d is None for d in agreement(ids["plain"], ids["paged_jax"]))
+            print(f"  batch {batch}: {rates['plain']:.1f} tok/s; with them "
+                  f"{rates['paged_jax'] / rates['plain']:.2f}x that ({same}/{batch} rows "
+                  f"token-equal)")
+        bits, native = pool_write_seconds(cfg, None), pool_write_seconds(cfg, "gpu")
+        print(f"one layer's K/V write of one token into a 256 MiB {cfg.dtype} pool: "
+              f"{1e3 * bits:.2f} ms kept as uint16 bits, {1e3 * native:.2f} ms stored as "
+              f"{cfg.dtype} ({native / bits:.0f}x; a decode step makes {cfg.num_layers} "
+              f"such writes per token)")
     if args.show_tokens:
         for batch, _, _, ids in results:
             for name, rows in ids.items():

@@ -98,8 +98,8 @@ def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState,
 
     def attend(layer, q, k, v, kv):  # q [B, T, Hq, D]; k, v [B, T, Hkv, D]
         kv = write(kv, layer, slots, k, v)
-        keys = gather_pages(kv.k[layer], tables).swapaxes(1, 2)  # [B, S, Hkv, D]
-        values = gather_pages(kv.v[layer], tables).swapaxes(1, 2)
+        keys = kv.values(gather_pages(kv.k[layer], tables)).swapaxes(1, 2)  # [B, S, Hkv, D]
+        values = kv.values(gather_pages(kv.v[layer], tables)).swapaxes(1, 2)
         return masked_attention(q, keys, values, mask), kv
 
     h, kv = model.hidden(tokens.astype(jnp.int32), positions, kv, attend)  # [B, T, E]

@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from paged_jax.kernels.reference import paged_attention_xla
+from paged_jax.kvcache import as_values
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -245,10 +246,12 @@ def _check_inputs(q, k_pages, v_pages, block_tables, context_lens, impl, sm_scal
     num_kv_heads, _, block_size, head_dim_kv = k_pages.shape[-4:]
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16. Got {q.dtype}.")
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    bits_ok = q.dtype.itemsize == 2  # a 16-bit query's pages may come as their uint16 bits
+    if any(p.dtype != q.dtype and not (bits_ok and p.dtype == jnp.uint16)
+           for p in (k_pages, v_pages)):
         raise ValueError(
-            f"q, k_pages and v_pages must share a dtype. Got {q.dtype}, {k_pages.dtype} and "
-            f"{v_pages.dtype}."
+            f"q, k_pages and v_pages must share a dtype (a 16-bit q's pages may also be its "
+            f"uint16 bits). Got {q.dtype}, {k_pages.dtype} and {v_pages.dtype}."
         )
     if head_dim != head_dim_kv:
         raise ValueError(
@@ -378,7 +381,10 @@ def paged_attention(
     Args:
       q: the queries, ``[batch, num_q_heads, head_dim]``.
       k_pages, v_pages: the cache, ``[num_kv_heads, num_blocks, block_size, head_dim]`` (the
-        head-major layout of ``jax.experimental.pallas.ops.gpu.paged_attention``).
+        head-major layout of ``jax.experimental.pallas.ops.gpu.paged_attention``), in q's
+        dtype or, for a bf16/f16 q, as its ``uint16`` bits (the CPU pool's storage; see
+        ``paged_jax.kvcache``). The xla path reads the bits of the pages it gathers; the
+        Pallas path converts the whole pages first (the CPU pool is for interpret mode).
       block_tables: int32 ``[batch, max_blocks_per_seq]``; entry ``j`` of row ``b`` is the block
         that holds tokens ``j * block_size ...`` of sequence ``b``. Pad with -1. A -1 (or any
         out-of-range) entry's tokens count as masked, as do those at or past ``context_len``.
@@ -414,6 +420,7 @@ def paged_attention(
         if layer is not None:  # the slice fuses into the xla path's gather: no copy
             k_pages, v_pages = k_pages[layer], v_pages[layer]
         return paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, sm_scale=scale)
+    k_pages, v_pages = as_values(k_pages, q.dtype), as_values(v_pages, q.dtype)
     return paged_attention_pallas(
         q, k_pages, v_pages, block_tables, context_lens, sm_scale=scale, layer=layer,
         interpret=interpret, **knobs,

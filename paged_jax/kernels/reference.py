@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from paged_jax.kvcache import as_values
+
 # f32 matmuls default to TF32 on recent GPUs; the reference must not.
 _EXACT = jax.lax.Precision.HIGHEST
 
@@ -120,5 +122,7 @@ def paged_attention_xla(
     *,
     sm_scale: float,
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q.dtype
-    context = gather_context(k_pages, v_pages, block_tables, context_lens)
+    k, v, live = gather_context(k_pages, v_pages, block_tables, context_lens)
+    # Pages kept as uint16 bits (the CPU pool) are read as q's dtype once gathered.
+    context = (as_values(k, q.dtype), as_values(v, q.dtype), live)
     return attend_segments(q, [context], sm_scale=sm_scale)

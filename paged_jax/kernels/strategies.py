@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from paged_jax.kernels.pallas_decode import paged_attention, resolve_impl
 from paged_jax.kernels.reference import attend_segments, gather_context
+from paged_jax.kvcache import as_bits
 from paged_jax.sharding import per_head_shard
 
 # The default for decode_strategy's hoist_max_bytes: above this many bytes of gathered context
@@ -82,10 +83,11 @@ def hoisted(kv, block_tables, start, live, num_steps: int):
     """
     layers, heads, _, _, head_dim = kv.k.shape
     rows = start.shape[0]
-    context = [
-        gather_context(kv.k[layer], kv.v[layer], block_tables, jnp.where(live, start, 0))
-        for layer in range(layers)
-    ]  # per layer: k, v [rows, heads, T, D], live [rows, T]
+    context = []  # per layer: k, v [rows, heads, T, D], live [rows, T]
+    for layer in range(layers):
+        k, v, live_t = gather_context(kv.k[layer], kv.v[layer], block_tables,
+                                      jnp.where(live, start, 0))
+        context.append((kv.values(k), kv.values(v), live_t))
     shape = (layers, rows, heads, num_steps, head_dim)
     sm_scale = 1.0 / math.sqrt(head_dim)  # paged_attention's default, which per_step uses
 
@@ -95,14 +97,18 @@ def hoisted(kv, block_tables, start, live, num_steps: int):
         new_live = (jnp.arange(num_steps)[None, :] <= t) & live[:, None]  # [rows, K]
 
         def attention(layer, q, k, v, kv, extra):
+            # Kept as the pool keeps them (a 16-bit dtype's bits on CPU), for the pool's
+            # reason: XLA:CPU would convert a bf16 buffer to f32 and back around each update.
             new_k, new_v = (
                 jax.lax.dynamic_update_slice(
-                    buf, x[None, :, :, None].astype(buf.dtype), (layer, 0, 0, t, 0)
+                    buf, as_bits(x[None, :, :, None].astype(kv.value_dtype), buf.dtype),
+                    (layer, 0, 0, t, 0),
                 )
                 for buf, x in zip(extra, (k, v), strict=True)
             )
             # The new values past step t are still the zeros they started as: finite.
-            segments = [context[layer], (new_k[layer], new_v[layer], new_live)]
+            segments = [context[layer],
+                        (kv.values(new_k[layer]), kv.values(new_v[layer]), new_live)]
             return attend_segments(q, segments, sm_scale=sm_scale), (new_k, new_v)
 
         return attention

@@ -98,11 +98,45 @@ def causal_attend(positions: jax.Array, lengths: jax.Array | None = None) -> Att
     return attend
 
 
+def dense_dot_general(
+    lhs: jax.Array,  # [..., K], the activations
+    rhs: jax.Array,  # the weight, K on the axis dimension_numbers names
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    **kwargs,
+) -> jax.Array:
+    """``jax.lax.dot_general`` for the model's weights, with 16-bit operands accumulated in f32
+    and the result rounded once, to ``preferred_element_type`` or else their dtype (what a
+    bf16 matmul means on every backend; the logits ask for f32 and are not rounded at all).
+
+    Asked for as such, XLA:CPU runs a bf16 matmul on the CPU's bf16 units (AMX, AVX-512
+    BF16); a bf16 dot with a bf16 result is instead computed in f32 by a slow generic loop, as
+    is a bf16 dot of a single row even with an f32 result. On CPU a single row is therefore
+    duplicated to two and the spare row dropped. Other operands take ``lax.dot_general``
+    unchanged.
+    """
+    if lhs.dtype.itemsize != 2 or rhs.dtype != lhs.dtype:
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type, **kwargs)
+    out_dtype = preferred_element_type or lhs.dtype
+    (lhs_contract, _), batch_dims = dimension_numbers
+    one_row = (tuple(lhs_contract) == (lhs.ndim - 1,) and batch_dims == ((), ())
+               and math.prod(lhs.shape[:-1]) == 1 and jax.default_backend() == "cpu")
+    x = jnp.concatenate([lhs.reshape(1, -1)] * 2) if one_row else lhs
+    numbers = (((x.ndim - 1,), dimension_numbers[0][1]), batch_dims) if one_row \
+        else dimension_numbers
+    y = jax.lax.dot_general(x, rhs, numbers, precision=precision,
+                            preferred_element_type=jnp.float32, **kwargs).astype(out_dtype)
+    return y[:1].reshape(*lhs.shape[:-1], y.shape[-1]) if one_row else y
+
+
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dot_general=dense_dot_general):
         self.config = config
         e, d = config.hidden_size, config.head_dim
-        kw = dict(dtype=config.jnp_dtype, param_dtype=config.jnp_dtype, rngs=rngs)
+        kw = dict(dtype=config.jnp_dtype, param_dtype=config.jnp_dtype,
+                  dot_general=dot_general, rngs=rngs)
         self.q_proj = nnx.Linear(e, config.num_heads * d, use_bias=config.qkv_bias, **kw)
         self.k_proj = nnx.Linear(e, config.num_kv_heads * d, use_bias=config.qkv_bias, **kw)
         self.v_proj = nnx.Linear(e, config.num_kv_heads * d, use_bias=config.qkv_bias, **kw)
@@ -120,11 +154,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dot_general=dense_dot_general):
         e, f = config.hidden_size, config.intermediate_size
         kw = dict(
             use_bias=config.mlp_bias, dtype=config.jnp_dtype, param_dtype=config.jnp_dtype,
-            rngs=rngs,
+            dot_general=dot_general, rngs=rngs,
         )
         self.gate_proj = nnx.Linear(e, f, **kw)
         self.up_proj = nnx.Linear(e, f, **kw)
@@ -142,11 +176,11 @@ def _rms_norm(config: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dot_general=dense_dot_general):
         self.input_layernorm = _rms_norm(config, rngs)
-        self.self_attn = Attention(config, rngs=rngs)
+        self.self_attn = Attention(config, rngs=rngs, dot_general=dot_general)
         self.post_attention_layernorm = _rms_norm(config, rngs)
-        self.mlp = MLP(config, rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs, dot_general=dot_general)
 
     def __call__(self, x, positions, inv_freq, layer, attend, cache):
         h, cache = self.self_attn(
@@ -157,20 +191,29 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """``LlamaForCausalLM`` / ``Qwen2ForCausalLM``: tokens in, f32 logits out."""
+    """``LlamaForCausalLM`` / ``Qwen2ForCausalLM``: tokens in, f32 logits out.
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    ``cpu_16bit_paths=False`` turns off what makes 16-bit weights fast on XLA:CPU (the
+    layers' ``dense_dot_general``, the embedding gathered as bits, the tied projection with
+    the table on the left), leaving XLA's plain ops: the same values, for benchmarks to
+    measure the difference."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, cpu_16bit_paths: bool = True):
         self.config = config
+        self.cpu_16bit_paths = cpu_16bit_paths
+        dot_general = dense_dot_general if cpu_16bit_paths else jax.lax.dot_general
         dtype = config.jnp_dtype
         self.embed_tokens = nnx.Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs, dot_general=dot_general)
+                                for _ in range(config.num_layers)])
         self.norm = _rms_norm(config, rngs)
         # Tied models have no lm_head: logits come from the embedding (`Embed.attend`).
         self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
             config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
-            param_dtype=dtype, rngs=rngs,
+            param_dtype=dtype, dot_general=dense_dot_general,
+            preferred_element_type=jnp.float32, rngs=rngs,  # f32 logits, never rounded
         )
 
     def hidden(
@@ -183,14 +226,41 @@ class Llama(nnx.Module):
         if attend is None:
             attend = causal_attend(positions)
         inv_freq = rope_inv_freq(self.config)
-        x = self.embed_tokens(tokens)  # [B, T, E]
+        x = self.embed(tokens)  # [B, T, E]
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, positions, inv_freq, i, attend, cache)
         return self.norm(x), cache
 
+    def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] int32 -> [B, T, E]
+        """The tokens' rows of the embedding. On CPU a 16-bit table is gathered as its
+        ``uint16`` bits: XLA:CPU gathers from a bf16 table by converting all of it to f32 in
+        every dispatch, where the bits cost one copy of the table at its own size."""
+        table = self.embed_tokens.embedding[...]  # [V, E]
+        if not self._cpu_16bit(table):
+            return self.embed_tokens(tokens)
+        bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
+        return jax.lax.bitcast_convert_type(jnp.take(bits, tokens, axis=0), table.dtype)
+
+    def _cpu_16bit(self, table: jax.Array) -> bool:
+        return (self.cpu_16bit_paths and table.dtype.itemsize == 2
+                and jax.default_backend() == "cpu")
+
     def logits(self, h: jax.Array) -> jax.Array:  # [..., E] -> [..., V] f32
-        if self.lm_head is None:
-            return self.embed_tokens.attend(h).astype(jnp.float32)
+        if self.lm_head is None:  # tied: Embed.attend's h @ embedding.T, as dense_dot_general
+            table = self.embed_tokens.embedding[...]  # [V, E]
+            h = h.astype(table.dtype)
+            if not self._cpu_16bit(table):
+                return dense_dot_general(h, table, (((h.ndim - 1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+            # embedding @ h.T, the table on the left: as the right operand of a bf16 dot,
+            # XLA:CPU would copy the whole table transposed ([E, V]) for every dispatch.
+            rows = h.reshape(-1, h.shape[-1])  # [n, E]
+            n = rows.shape[0]
+            if n == 1:  # a one-column bf16 product is slow too: use two
+                rows = jnp.concatenate([rows, rows])
+            out = dense_dot_general(table, rows, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)  # [V, n]
+            return out[:, :n].T.reshape(*h.shape[:-1], table.shape[0])
         return self.lm_head(h).astype(jnp.float32)
 
     def __call__(self, tokens, positions=None, cache=None, attend=None):

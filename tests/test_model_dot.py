@@ -1,0 +1,100 @@
+"""``dense_dot_general``, the model's matmul, against float64 numpy of the same rounded inputs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from paged_jax.model import init_model
+from paged_jax.model.llama import dense_dot_general
+from tests.model_helpers import TINY
+
+
+def numbers(lhs):
+    return (((lhs.ndim - 1,), (0,)), ((), ()))
+
+
+def ulps_apart(got, want, dtype) -> np.ndarray:
+    """How many steps of ``dtype`` separate ``got`` from ``want`` (both rounded to it)."""
+    a = np.asarray(got, dtype).view(np.int16).astype(np.int32)
+    b = np.asarray(want, dtype).view(np.int16).astype(np.int32)
+    return np.abs(a - b)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows", [(1,), (1, 1), (2, 3), (5,)], ids=str)
+def test_16_bit_dot_is_the_rounded_exact_product(dtype, rows):
+    """f32 accumulation then one rounding: within one step of the float64 product rounded to
+    the dtype (a sum that lands on a rounding boundary may go either way)."""
+    rng = np.random.default_rng(len(rows) + rows[-1])
+    x = jnp.asarray(rng.normal(size=(*rows, 96)), dtype)
+    w = jnp.asarray(rng.normal(size=(96, 40)) * 0.1, dtype)
+    got = jax.jit(lambda x, w: dense_dot_general(x, w, numbers(x)))(x, w)
+    assert got.dtype == jnp.dtype(dtype) and got.shape == (*rows, 40)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert ulps_apart(got, want.astype(dtype), dtype).max() <= 1
+
+
+def test_one_row_equals_that_row_of_a_two_row_product():
+    """On CPU a single row goes through a two-row dot; its result is that dot's row."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(1, 1, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(64, 48)), jnp.bfloat16)
+    one = dense_dot_general(x, w, numbers(x))
+    two = dense_dot_general(jnp.concatenate([x, x]), w, numbers(x))
+    np.testing.assert_array_equal(np.asarray(one[0], np.float32), np.asarray(two[0], np.float32))
+
+
+def test_f32_operands_take_lax_dot_general_unchanged():
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.normal(size=(1, 64)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(64, 48)), jnp.float32)
+    np.testing.assert_array_equal(dense_dot_general(x, w, numbers(x)),
+                                  jax.lax.dot_general(x, w, numbers(x)))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_logits_of_a_bf16_model_are_f32_never_rounded_to_bf16(batch, tied):
+    """The output projection of bf16 weights gives f32 logits straight from its f32
+    accumulator: within f32 summation error of float64 numpy, far inside bf16's steps (a
+    rounding to bf16 would turn near-ties into exact ties for the argmax)."""
+    model = init_model(TINY.replace(dtype="bfloat16", tie_word_embeddings=tied), seed=2)
+    assert (model.lm_head is None) == tied
+    h = jnp.asarray(np.random.default_rng(9).normal(size=(batch, 128)), jnp.bfloat16)
+    graphdef, params = nnx.split(model)
+    got = jax.jit(lambda p, h: nnx.merge(graphdef, p).logits(h))(params, h)
+    assert got.dtype == jnp.float32 and got.shape == (batch, 256)
+    weight = (model.embed_tokens.embedding.get_value().T if tied
+              else model.lm_head.kernel.get_value())  # [E, V]
+    want = np.asarray(h, np.float64) @ np.asarray(weight, np.float64)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())
+    rounded = want.astype(jnp.bfloat16).astype(np.float64)
+    assert np.abs(rounded - want).max() > 100 * np.abs(np.asarray(got) - want).max()
+
+
+def test_cpu_16bit_paths_change_speed_not_values():
+    """The embedding gathered as bits equals ``nnx.Embed``'s rows exactly; the whole forward
+    with and without ``cpu_16bit_paths`` agrees to bf16 rounding (the dots accumulate in
+    different orders), both near the same weights run in f32."""
+    from paged_jax.model.llama import Llama
+    from tests.model_helpers import dense_logits
+
+    config = TINY.replace(dtype="bfloat16", tie_word_embeddings=True)
+    fast = init_model(config, seed=4)
+    plain = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), cpu_16bit_paths=False))
+    nnx.update(plain, nnx.state(fast))
+    tokens = jnp.asarray(np.arange(12).reshape(2, 6) * 37 % 256, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(fast.embed(tokens), np.float32),
+                                  np.asarray(fast.embed_tokens(tokens), np.float32))
+    f32 = init_model(TINY.replace(tie_word_embeddings=True), seed=0)
+    nnx.update(f32, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(fast)))
+    seq = np.arange(1, 20) * 7 % 256
+    ref = dense_logits(*nnx.split(f32), seq)
+    for model in (fast, plain):
+        got = dense_logits(*nnx.split(model), seq)
+        assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max() + 0.05
