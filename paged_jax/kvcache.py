@@ -44,6 +44,12 @@ class KVCache:
         """``pages`` read from ``k`` or ``v`` (any slice or gather) as ``value_dtype``."""
         return as_values(pages, self.value_dtype)
 
+    def stored(self, x: jax.Array) -> jax.Array:
+        """``x`` (any float dtype) as ``k`` and ``v`` hold it: rounded to ``value_dtype``,
+        then its bits where the buffers hold bits. The inverse of ``values``."""
+        x = x.astype(self.value_dtype)
+        return x if x.dtype == self.k.dtype else jax.lax.bitcast_convert_type(x, self.k.dtype)
+
     @property
     def num_blocks(self) -> int:
         return self.k.shape[2]
@@ -70,12 +76,6 @@ def as_values(pages: jax.Array, dtype) -> jax.Array:
     if pages.dtype == dtype or pages.dtype != jnp.uint16 or dtype.itemsize != 2:
         return pages
     return jax.lax.bitcast_convert_type(pages, dtype)
-
-
-def as_bits(x: jax.Array, storage) -> jax.Array:
-    """``x`` (values in any float dtype) as they are stored in a ``storage``-dtype buffer of
-    16-bit ``value_dtype`` values: the inverse of ``as_values``."""
-    return x if jnp.dtype(storage) == x.dtype else jax.lax.bitcast_convert_type(x, storage)
 
 
 def init_cache(model: ModelConfig, cache: CacheConfig, dtype=None, fill: float = 0.0,
@@ -127,8 +127,8 @@ def write(
     block, offset = target // block_size, target % block_size  # a dropped slot: block past end
 
     def scatter(buf, new):
-        new = new.reshape(-1, heads, head_dim).astype(kv.value_dtype)  # [n, heads, head_dim]
-        return buf.at[layer, :, block, offset].set(as_bits(new, buf.dtype), mode="drop")
+        new = kv.stored(new.reshape(-1, heads, head_dim))  # [n, heads, head_dim]
+        return buf.at[layer, :, block, offset].set(new, mode="drop")
 
     return kv.replace(k=scatter(kv.k, k), v=scatter(kv.v, v))
 

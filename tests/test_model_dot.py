@@ -38,6 +38,19 @@ def test_16_bit_dot_is_the_rounded_exact_product(dtype, rows):
     assert ulps_apart(got, want.astype(dtype), dtype).max() <= 1
 
 
+@pytest.mark.parametrize("columns", [1, 3])
+def test_weight_on_the_left_is_the_rounded_exact_product(columns):
+    """``weight @ x.T`` (the tied projection's orientation), one column padded on CPU."""
+    rng = np.random.default_rng(columns)
+    w = jnp.asarray(rng.normal(size=(40, 96)) * 0.1, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(columns, 96)), jnp.bfloat16)
+    got = dense_dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    assert got.dtype == jnp.float32 and got.shape == (40, columns)
+    want = np.asarray(w, np.float64) @ np.asarray(x, np.float64).T
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())
+
+
 def test_one_row_equals_that_row_of_a_two_row_product():
     """On CPU a single row goes through a two-row dot; its result is that dot's row."""
     rng = np.random.default_rng(7)

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 
 from paged_jax.kernels.pallas_decode import paged_attention, resolve_impl
 from paged_jax.kernels.reference import attend_segments, gather_context
-from paged_jax.kvcache import as_bits
 from paged_jax.sharding import per_head_shard
 
 # The default for decode_strategy's hoist_max_bytes: above this many bytes of gathered context
@@ -101,8 +100,7 @@ def hoisted(kv, block_tables, start, live, num_steps: int):
             # reason: XLA:CPU would convert a bf16 buffer to f32 and back around each update.
             new_k, new_v = (
                 jax.lax.dynamic_update_slice(
-                    buf, as_bits(x[None, :, :, None].astype(kv.value_dtype), buf.dtype),
-                    (layer, 0, 0, t, 0),
+                    buf, kv.stored(x[None, :, :, None]), (layer, 0, 0, t, 0)
                 )
                 for buf, x in zip(extra, (k, v), strict=True)
             )

@@ -112,23 +112,32 @@ def dense_dot_general(
 
     Asked for as such, XLA:CPU runs a bf16 matmul on the CPU's bf16 units (AMX, AVX-512
     BF16); a bf16 dot with a bf16 result is instead computed in f32 by a slow generic loop, as
-    is a bf16 dot of a single row even with an f32 result. On CPU a single row is therefore
-    duplicated to two and the spare row dropped. Other operands take ``lax.dot_general``
+    is a bf16 dot of a single row (or, with the weight on the left, a single column) even
+    with an f32 result. On CPU such a row of ``lhs`` (or column of a 2-D ``rhs``) is therefore
+    duplicated to two and the spare result dropped. Other operands take ``lax.dot_general``
     unchanged.
     """
     if lhs.dtype.itemsize != 2 or rhs.dtype != lhs.dtype:
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type, **kwargs)
     out_dtype = preferred_element_type or lhs.dtype
-    (lhs_contract, _), batch_dims = dimension_numbers
-    one_row = (tuple(lhs_contract) == (lhs.ndim - 1,) and batch_dims == ((), ())
-               and math.prod(lhs.shape[:-1]) == 1 and jax.default_backend() == "cpu")
-    x = jnp.concatenate([lhs.reshape(1, -1)] * 2) if one_row else lhs
-    numbers = (((x.ndim - 1,), dimension_numbers[0][1]), batch_dims) if one_row \
-        else dimension_numbers
-    y = jax.lax.dot_general(x, rhs, numbers, precision=precision,
+    (lhs_contract, rhs_contract), batch_dims = dimension_numbers
+    pad = jax.default_backend() == "cpu" and batch_dims == ((), ())
+    one_row = (pad and tuple(lhs_contract) == (lhs.ndim - 1,)
+               and math.prod(lhs.shape[:-1]) == 1)
+    one_col = (pad and not one_row and rhs.ndim == 2 and len(rhs_contract) == 1
+               and rhs.shape[1 - rhs_contract[0]] == 1)
+    lhs_shape = lhs.shape
+    if one_row:
+        lhs = jnp.concatenate([lhs.reshape(1, -1)] * 2)  # [2, K]
+        dimension_numbers = (((1,), rhs_contract), batch_dims)
+    if one_col:
+        rhs = jnp.concatenate([rhs, rhs], axis=1 - rhs_contract[0])
+    y = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                             preferred_element_type=jnp.float32, **kwargs).astype(out_dtype)
-    return y[:1].reshape(*lhs.shape[:-1], y.shape[-1]) if one_row else y
+    if one_row:
+        return y[:1].reshape(*lhs_shape[:-1], y.shape[-1])
+    return y[..., :1] if one_col else y
 
 
 class Attention(nnx.Module):
@@ -196,7 +205,8 @@ class Llama(nnx.Module):
     ``cpu_16bit_paths=False`` turns off what makes 16-bit weights fast on XLA:CPU (the
     layers' ``dense_dot_general``, the embedding gathered as bits, the tied projection with
     the table on the left), leaving XLA's plain ops: the same values, for benchmarks to
-    measure the difference."""
+    measure the difference. The output projection keeps ``dense_dot_general`` either way:
+    its unrounded f32 logits are part of the values."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, cpu_16bit_paths: bool = True):
         self.config = config
@@ -255,12 +265,9 @@ class Llama(nnx.Module):
             # embedding @ h.T, the table on the left: as the right operand of a bf16 dot,
             # XLA:CPU would copy the whole table transposed ([E, V]) for every dispatch.
             rows = h.reshape(-1, h.shape[-1])  # [n, E]
-            n = rows.shape[0]
-            if n == 1:  # a one-column bf16 product is slow too: use two
-                rows = jnp.concatenate([rows, rows])
             out = dense_dot_general(table, rows, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)  # [V, n]
-            return out[:, :n].T.reshape(*h.shape[:-1], table.shape[0])
+            return out.T.reshape(*h.shape[:-1], table.shape[0])
         return self.lm_head(h).astype(jnp.float32)
 
     def __call__(self, tokens, positions=None, cache=None, attend=None):
