@@ -8,11 +8,11 @@ under ``jax.shard_map``.
 
 Tensor parallel (Megatron-style), ``PARAM_SPECS``:
 
-* q/k/v and gate/up kernels ``[E, H * D]`` / ``[E, F]`` are column-parallel,
-  ``P(None, "tp")`` (their biases ``P("tp")``): a contiguous column shard of q/k/v holds whole
-  heads, and whole GQA groups, because ``tp`` divides ``num_kv_heads`` (and so ``num_heads``,
-  a multiple of it);
-* o and down kernels ``[H * D, E]`` / ``[F, E]`` are row-parallel, ``P("tp", None)``: each
+* q/k/v and gate/up weights ``[H * D, E]`` / ``[F, E]`` (``[out, in]``) are column-parallel,
+  ``P("tp", None)`` (their biases ``P("tp")``): a contiguous shard of q/k/v's outputs holds
+  whole heads, and whole GQA groups, because ``tp`` divides ``num_kv_heads`` (and so
+  ``num_heads``, a multiple of it);
+* o and down weights ``[E, H * D]`` / ``[E, F]`` are row-parallel, ``P(None, "tp")``: each
   shard's partial product is summed by one all-reduce (their biases are replicated, added
   once after it);
 * embeddings, norms and the lm_head are replicated.
@@ -45,9 +45,9 @@ AXES = (DP, TP)
 CACHE_SPEC = P(None, TP)  # [layers, kv_heads / tp, blocks, block_size, head_dim] per shard
 # (module, leaf) -> spec; every other parameter is replicated.
 PARAM_SPECS = {
-    **{(m, "kernel"): P(None, TP) for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")},
+    **{(m, "weight"): P(TP, None) for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")},
     **{(m, "bias"): P(TP) for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")},
-    **{(m, "kernel"): P(TP, None) for m in ("o_proj", "down_proj")},
+    **{(m, "weight"): P(None, TP) for m in ("o_proj", "down_proj")},
 }
 
 

@@ -91,8 +91,8 @@ def test_bench_decode_in_bf16_runs_both_sides_on_the_same_rounded_weights(capsys
     theirs = copy.deepcopy(smollm2.theirs).to(torch.bfloat16)
     for name in ("q_proj", "k_proj"):  # the two llama.cpp permutes
         want = getattr(theirs.model.layers[0].self_attn, name).weight.detach().float().numpy()
-        got = getattr(ours.layers[0].self_attn, name).kernel.get_value()
-        assert got.dtype == "bfloat16" and (got.astype("float32") == want.T).all(), name
+        got = getattr(ours.layers[0].self_attn, name).weight.get_value()
+        assert got.dtype == "bfloat16" and (got.astype("float32") == want).all(), name
     models = bench_model.Models(smollm2.path, smollm2.tokenizer, ours, theirs)
     with pytest.raises(ValueError, match="--dtype float32 is not the loaded models' bfloat16"):
         bench_model.main(["--batch", "1"], models=models)
@@ -108,6 +108,9 @@ def test_bench_decode_in_bf16_runs_both_sides_on_the_same_rounded_weights(capsys
     plain = re.search(r"batch 2: ([\d.]+) tok/s; with them ([\d.]+)x that \((\d)/2 rows", out)
     assert plain and float(plain[1]) > 0, out
     assert float(plain[2]) == pytest.approx(float(rows[0][2]) / float(plain[1]), rel=0.02)
+    right = re.search(r"batch 2: ([\d.]+) tok/s; on the left ([\d.]+)x that \((\d)/2 rows", out)
+    assert right and float(right[1]) > 0, out
+    assert float(right[2]) == pytest.approx(float(rows[0][2]) / float(right[1]), rel=0.02)
     write = re.search(r"256 MiB bfloat16 pool: ([\d.]+) ms kept as uint16 bits, ([\d.]+) ms "
                       r"stored as bfloat16", out)
     assert write and float(write[1]) > 0 and float(write[2]) > 0, out

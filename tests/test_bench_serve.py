@@ -107,10 +107,10 @@ def test_matmul_flops_against_the_models_own_matrices():
     cfg = ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=40, num_layers=3,
                       num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
     model = Llama(cfg, rngs=nnx.Rngs(0))
-    # Every projection kernel of every layer, counted from the built model's own arrays.
+    # Every projection weight of every layer, counted from the built model's own arrays.
     paths = nnx.to_flat_state(nnx.state(model))
     per_token = sum(v.get_value().size for path, v in paths
-                    if "layers" in map(str, path) and path[-1] == "kernel")
+                    if "layers" in map(str, path) and path[-1] == "weight")
     assert per_token > 0
     reqs = [Request((1, 2, 3), 2), Request((4, 5, 6, 7, 8), 4)]
     # 8 prompt tokens and 6 generated, of which each request's last (2) is never fed back.

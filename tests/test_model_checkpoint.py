@@ -28,10 +28,7 @@ HF_CONFIG = {
 
 
 def hf_tensors(model) -> dict[str, jnp.ndarray]:
-    return {
-        name: (var.get_value().T if transposed else var.get_value())
-        for name, (var, transposed) in hf_parameter_map(model).items()
-    }
+    return {name: var.get_value() for name, var in hf_parameter_map(model).items()}
 
 
 def write_checkpoint(path, tensors, config=HF_CONFIG, shards=1):
@@ -75,7 +72,7 @@ def test_bfloat16_checkpoint_loads_as_bfloat16(source, tmp_path):
     write_checkpoint(tmp_path, tensors, {**HF_CONFIG, "dtype": "bfloat16"})
     model = load_checkpoint(tmp_path)
     assert model.config.dtype == "bfloat16"
-    assert model.layers[0].self_attn.q_proj.kernel.get_value().dtype == jnp.bfloat16
+    assert model.layers[0].self_attn.q_proj.weight.get_value().dtype == jnp.bfloat16
     # Against the same bf16-rounded weights run in f32.
     f32 = load_checkpoint(tmp_path, dtype="float32")
     seq = np.arange(1, 20) * 7 % 256

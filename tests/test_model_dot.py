@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from paged_jax.model import init_model
-from paged_jax.model.llama import dense_dot_general
+from paged_jax.model.llama import WEIGHT_LEFT_MAX_ROWS, dense_dot_general, project
 from tests.model_helpers import TINY
 
 
@@ -51,6 +51,36 @@ def test_weight_on_the_left_is_the_rounded_exact_product(columns):
                                atol=1e-5 * np.abs(want).max())
 
 
+def dot_lhs_shapes(fn, *args) -> list[tuple[int, ...]]:
+    """The left operand's shape of every dot_general in ``fn``'s traced program."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [tuple(e.invars[0].aval.shape) for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("rows", [(1,), (2, 3), (WEIGHT_LEFT_MAX_ROWS,),
+                                  (WEIGHT_LEFT_MAX_ROWS + 1,)], ids=str)
+def test_projection_is_x_times_weight_transposed_either_way_round(dtype, rows):
+    """``project(x, weight [out, in])`` against float64 ``x @ weight.T``; on CPU a bf16 weight
+    goes on the left of the dot for up to WEIGHT_LEFT_MAX_ROWS rows, and only then."""
+    rng = np.random.default_rng(sum(rows))
+    x = jnp.asarray(rng.normal(size=(*rows, 96)), dtype)
+    w = jnp.asarray(rng.normal(size=(40, 96)) * 0.1, dtype)
+    got = jax.jit(lambda x, w: project(x, w, preferred_element_type=jnp.float32))(x, w)
+    assert got.shape == (*rows, 40) and got.dtype == jnp.float32
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())
+    left = (jax.default_backend() == "cpu" and dtype == jnp.bfloat16
+            and np.prod(rows) <= WEIGHT_LEFT_MAX_ROWS)
+    # (dense_dot_general pads a single bf16 row to two: the left operand is then [2, 96].)
+    padded = (2, 96) if dtype == jnp.bfloat16 and np.prod(rows) == 1 else x.shape
+    assert dot_lhs_shapes(project, x, w) == ([w.shape] if left else [padded])
+    plain = lambda x, w: project(x, w, dot_general=jax.lax.dot_general,  # noqa: E731
+                                 weight_left_rows=0)
+    assert dot_lhs_shapes(plain, x, w) == [x.shape]
+
+
 def test_one_row_equals_that_row_of_a_two_row_product():
     """On CPU a single row goes through a two-row dot; its result is that dot's row."""
     rng = np.random.default_rng(7)
@@ -81,9 +111,9 @@ def test_logits_of_a_bf16_model_are_f32_never_rounded_to_bf16(batch, tied):
     graphdef, params = nnx.split(model)
     got = jax.jit(lambda p, h: nnx.merge(graphdef, p).logits(h))(params, h)
     assert got.dtype == jnp.float32 and got.shape == (batch, 256)
-    weight = (model.embed_tokens.embedding.get_value().T if tied
-              else model.lm_head.kernel.get_value())  # [E, V]
-    want = np.asarray(h, np.float64) @ np.asarray(weight, np.float64)
+    weight = (model.embed_tokens.embedding.get_value() if tied
+              else model.lm_head.weight.get_value())  # [V, E]
+    want = np.asarray(h, np.float64) @ np.asarray(weight, np.float64).T
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0,
                                atol=1e-5 * np.abs(want).max())
     rounded = want.astype(jnp.bfloat16).astype(np.float64)

@@ -45,9 +45,8 @@ def test_every_weight_equals_transformers_bit_for_bit(models):
     state = theirs.state_dict()
     params = hf_parameter_map(ours)
     assert len(params) == 272  # lm_head is tied: the embedding
-    for name, (var, transposed) in params.items():
-        value = np.asarray(var.get_value())
-        np.testing.assert_array_equal(value.T if transposed else value, state[name].numpy(),
+    for name, var in params.items():
+        np.testing.assert_array_equal(np.asarray(var.get_value()), state[name].numpy(),
                                       err_msg=name)
 
 
@@ -58,11 +57,11 @@ def test_q_and_k_rows_are_unpermuted_per_head(models):
     tensors = {t.name: t for t in reader.tensors}
     model = models[0]
     for name, heads, ours in (
-        ("blk.0.attn_q.weight", 9, model.layers[0].self_attn.q_proj.kernel),
-        ("blk.0.attn_k.weight", 3, model.layers[0].self_attn.k_proj.kernel),
+        ("blk.0.attn_q.weight", 9, model.layers[0].self_attn.q_proj.weight),
+        ("blk.0.attn_k.weight", 3, model.layers[0].self_attn.k_proj.weight),
     ):
         raw = dequantize_tensor(tensors[name])  # [out, in] as the file stores it
-        loaded = np.asarray(ours.get_value()).T
+        loaded = np.asarray(ours.get_value())
         assert np.abs(raw - loaded).max() > 1.0
         np.testing.assert_array_equal(unpermute_rows(raw, heads), loaded)
 
@@ -185,5 +184,5 @@ def test_load_gguf_takes_an_open_reader(tmp_path):
     assert open_gguf(reader) is reader
     model = load_gguf(reader, "bfloat16")
     assert model.config.dtype == "bfloat16"
-    np.testing.assert_array_equal(np.asarray(model.layers[0].mlp.up_proj.kernel.get_value()), 1)
+    np.testing.assert_array_equal(np.asarray(model.layers[0].mlp.up_proj.weight.get_value()), 1)
 

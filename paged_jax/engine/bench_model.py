@@ -7,9 +7,11 @@ and from the same weights, and times greedy decoding of the same chat prompts at
 
 In bf16 it also times paged_jax without its CPU measures for 16-bit models (the pool kept as
 uint16 bits, ``paged_jax.kvcache``; the model's ``cpu_16bit_paths``: f32-accumulated dots,
-the embedding gathered as bits): the pool stored as bf16 and the model's plain XLA ops, in a
-pool as tight as the main runs'. A bf16 pool's write costs a pass over the whole pool, so
-the run also times one layer's K/V write into the engine's default 256 MiB pool, both ways.
+a few rows' projections with the weight on the left, the embedding gathered as bits): the
+pool stored as bf16 and the model's plain XLA ops, in a pool as tight as the main runs'; and
+with every measure but one, the weight on the left (``weight_left_rows=0``). A bf16 pool's
+write costs a pass over the whole pool, so the run also times one layer's K/V write into
+the engine's default 256 MiB pool, both ways.
 
 What is timed, on both sides, is decode only. Each round starts afresh: the prompts are
 prefilled (untimed), giving every row its first new token on the host; then the clock runs
@@ -274,14 +276,15 @@ class TorchRunner:
         return torch.stack(ids, dim=1).numpy(), seconds
 
 
-def without_cpu_measures(model: Llama) -> Llama:
-    """``model`` with the same parameters, built with ``cpu_16bit_paths=False``: XLA's plain
-    bf16 ops (a bf16 dot is computed in a generic f32 loop, a gather converts the whole
-    table) where ``model`` takes the paths XLA:CPU runs fast. The tied projection's f32
-    logits are kept, so both give the same values."""
-    plain = nnx.eval_shape(lambda: Llama(model.config, rngs=nnx.Rngs(0), cpu_16bit_paths=False))
-    nnx.update(plain, nnx.state(model))
-    return plain
+def rebuilt(model: Llama, **options) -> Llama:
+    """``model``'s parameters in a ``Llama`` built with ``options``. ``cpu_16bit_paths=False``
+    gives XLA's plain bf16 ops (a bf16 dot is computed in a generic f32 loop, a gather
+    converts the whole table) where ``model`` takes the paths XLA:CPU runs fast;
+    ``weight_left_rows=0`` keeps every projection's weight on the right. The output
+    projection's f32 logits are kept, so all give the same values."""
+    other = nnx.eval_shape(lambda: Llama(model.config, rngs=nnx.Rngs(0), **options))
+    nnx.update(other, nnx.state(model))
+    return other
 
 
 def pool_write_seconds(config, platform: str | None, pool_bytes: int = 256 * 2**20,
@@ -355,9 +358,10 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
                 "transformers": TorchRunner(theirs, prompts, args.tokens, pad_id),
             }
             if ablate:
-                sides["plain"] = PagedRunner(without_cpu_measures(ours), prompts, args.tokens,
-                                             args.steps_per_dispatch, args.block_size,
-                                             args.impl, platform="gpu")
+                run = (prompts, args.tokens, args.steps_per_dispatch, args.block_size, args.impl)
+                sides["plain"] = PagedRunner(rebuilt(ours, cpu_16bit_paths=False), *run,
+                                             platform="gpu")
+                sides["weight_right"] = PagedRunner(rebuilt(ours, weight_left_rows=0), *run)
             ids = {name: side.run()[0] for name, side in sides.items()}  # warm-up, compile
             bar.update()
             seconds = {name: [] for name in sides}
@@ -400,6 +404,13 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
             print(f"  batch {batch}: {rates['plain']:.1f} tok/s; with them "
                   f"{rates['paged_jax'] / rates['plain']:.2f}x that ({same}/{batch} rows "
                   f"token-equal)")
+        print(f"paged_jax with each projection's weight on the right (weight_left_rows=0; on "
+              f"the left, the default, up to {ours.weight_left_rows} rows):")
+        for batch, rates, _, ids in results:
+            same = sum(d is None for d in agreement(ids["weight_right"], ids["paged_jax"]))
+            print(f"  batch {batch}: {rates['weight_right']:.1f} tok/s; on the left "
+                  f"{rates['paged_jax'] / rates['weight_right']:.2f}x that ({same}/{batch} "
+                  f"rows token-equal)")
         bits, native = pool_write_seconds(cfg, None), pool_write_seconds(cfg, "gpu")
         print(f"one layer's K/V write of one token into a 256 MiB {cfg.dtype} pool: "
               f"{1e3 * bits:.2f} ms kept as uint16 bits, {1e3 * native:.2f} ms stored as "

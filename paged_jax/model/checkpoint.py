@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from paged_jax.model.config import ModelConfig
-from paged_jax.model.llama import Llama, abstract_model
+from paged_jax.model.llama import Linear, Llama, abstract_model
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some older exports contain; they are recomputed, never loaded.
@@ -29,24 +29,25 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model: names the tensor and the shapes."""
 
 
-def hf_parameter_map(model: Llama) -> dict[str, tuple[nnx.Variable, bool]]:
-    """Hugging Face tensor name -> (our parameter, whether HF stores it transposed)."""
-    out: dict[str, tuple[nnx.Variable, bool]] = {
-        "model.embed_tokens.weight": (model.embed_tokens.embedding, False),
-        "model.norm.weight": (model.norm.scale, False),
+def hf_parameter_map(model: Llama) -> dict[str, nnx.Variable]:
+    """Hugging Face tensor name -> our parameter, of the same shape (``Linear`` keeps
+    PyTorch's ``[out, in]``)."""
+    out: dict[str, nnx.Variable] = {
+        "model.embed_tokens.weight": model.embed_tokens.embedding,
+        "model.norm.weight": model.norm.scale,
     }
     if model.lm_head is not None:
-        out["lm_head.weight"] = (model.lm_head.kernel, True)
+        out["lm_head.weight"] = model.lm_head.weight
 
-    def linear(prefix: str, lin: nnx.Linear):
-        out[prefix + ".weight"] = (lin.kernel, True)  # torch [out, in]; flax [in, out]
+    def linear(prefix: str, lin: Linear):
+        out[prefix + ".weight"] = lin.weight
         if lin.bias is not None:
-            out[prefix + ".bias"] = (lin.bias, False)
+            out[prefix + ".bias"] = lin.bias
 
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}"
-        out[f"{p}.input_layernorm.weight"] = (layer.input_layernorm.scale, False)
-        out[f"{p}.post_attention_layernorm.weight"] = (layer.post_attention_layernorm.scale, False)
+        out[f"{p}.input_layernorm.weight"] = layer.input_layernorm.scale
+        out[f"{p}.post_attention_layernorm.weight"] = layer.post_attention_layernorm.scale
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             linear(f"{p}.self_attn.{name}", getattr(layer.self_attn, name))
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -103,7 +104,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Llama:
 
     missing = sorted(set(expected) - present)
     if missing:
-        shapes = [_expected_shape(*expected[n]) for n in missing[:5]]
+        shapes = [_expected_shape(expected[n]) for n in missing[:5]]
         raise CheckpointError(
             f"Checkpoint {path!r} lacks {len(missing)} tensor(s) the model needs: "
             + ", ".join(f"{n} (expected shape {s})" for n, s in zip(missing, shapes, strict=False))
@@ -114,8 +115,8 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Llama:
             f"Checkpoint {path!r} has {len(extra)} tensor(s) the model does not use: "
             + ", ".join(f"{n} (shape {_shape_of(files[n], n)})" for n in extra[:5])
         )
-    for name, (var, transposed) in expected.items():
-        want, got = _expected_shape(var, transposed), _shape_of(files[name], name)
+    for name, var in expected.items():
+        want, got = _expected_shape(var), _shape_of(files[name], name)
         if want != got:
             raise CheckpointError(
                 f"Tensor {name!r} has shape {got}; the model expects {want} for {config}."
@@ -127,10 +128,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Llama:
     for file, names in by_file.items():
         with safe_open(file, framework="flax") as f:
             for name in names:
-                var, transposed = expected[name]
-                array = _load(f, name)
-                array = array.T if transposed else array
-                var.set_value(jnp.asarray(array, dtype=config.jnp_dtype))
+                expected[name].set_value(jnp.asarray(_load(f, name), dtype=config.jnp_dtype))
     if tied_copy:
         with safe_open(files["lm_head.weight"], framework="flax") as f:
             head = _load(f, "lm_head.weight")
@@ -143,9 +141,8 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Llama:
     return model
 
 
-def _expected_shape(var: nnx.Variable, transposed: bool) -> tuple[int, ...]:
-    shape = tuple(var.get_value().shape)
-    return shape[::-1] if transposed else shape
+def _expected_shape(var: nnx.Variable) -> tuple[int, ...]:
+    return tuple(var.get_value().shape)
 
 
 def _load(f, name: str) -> jax.Array:

@@ -24,17 +24,18 @@ from paged_jax.model.checkpoint import CheckpointError
 from paged_jax.model.config import DTYPES, ModelConfig
 from paged_jax.model.llama import Llama, abstract_model
 
-# llama.cpp name (per layer, after "blk.{i}.") -> (our module path, HF stores [out, in]).
+# llama.cpp name (per layer, after "blk.{i}.") -> our parameter's path. Matrices are [out,
+# in] in both (numpy's order; GGUF lists the dimensions reversed).
 _LAYER_TENSORS = {
-    "attn_norm.weight": ("input_layernorm.scale", False),
-    "ffn_norm.weight": ("post_attention_layernorm.scale", False),
-    "attn_q.weight": ("self_attn.q_proj.kernel", True),
-    "attn_k.weight": ("self_attn.k_proj.kernel", True),
-    "attn_v.weight": ("self_attn.v_proj.kernel", True),
-    "attn_output.weight": ("self_attn.o_proj.kernel", True),
-    "ffn_gate.weight": ("mlp.gate_proj.kernel", True),
-    "ffn_up.weight": ("mlp.up_proj.kernel", True),
-    "ffn_down.weight": ("mlp.down_proj.kernel", True),
+    "attn_norm.weight": "input_layernorm.scale",
+    "ffn_norm.weight": "post_attention_layernorm.scale",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
 }
 
 
@@ -143,13 +144,12 @@ def load_gguf(path, dtype: str | None = None) -> Llama:
     reader = open_gguf(path)
     config = config_from_gguf(reader, dtype)
     model = abstract_model(config)
-    expected = {"token_embd.weight": ("embed_tokens.embedding", False),
-                "output_norm.weight": ("norm.scale", False)}
+    expected = {"token_embd.weight": "embed_tokens.embedding", "output_norm.weight": "norm.scale"}
     if not config.tie_word_embeddings:
-        expected["output.weight"] = ("lm_head.kernel", True)
+        expected["output.weight"] = "lm_head.weight"
     for i in range(config.num_layers):
-        for name, (target, transposed) in _LAYER_TENSORS.items():
-            expected[f"blk.{i}.{name}"] = (f"layers.{i}.{target}", transposed)
+        for name, target in _LAYER_TENSORS.items():
+            expected[f"blk.{i}.{name}"] = f"layers.{i}.{target}"
     tensors = {t.name: t for t in reader.tensors}
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected) - {"rope_freqs.weight"})
@@ -158,18 +158,17 @@ def load_gguf(path, dtype: str | None = None) -> Llama:
             f"GGUF file {gguf_name(reader)!r} does not match a {config.num_layers}-layer llama: "
             f"missing {missing[:5]}, unexpected {extra[:5]}."
         )
-    for name, (target, transposed) in expected.items():
+    for name, target in expected.items():
         weight = dequantize_tensor(tensors[name])
         if name.endswith("attn_q.weight"):
             weight = unpermute_rows(weight, config.num_heads)
         elif name.endswith("attn_k.weight"):
             weight = unpermute_rows(weight, config.num_kv_heads)
-        weight = weight.T if transposed else weight
         var = _resolve(model, target)
         want = tuple(var.get_value().shape)
         if weight.shape != want:
             raise CheckpointError(
-                f"Tensor {name!r} has shape {weight.shape} (after transposing); the model "
+                f"Tensor {name!r} has shape {weight.shape}; the model "
                 f"expects {want} for {config}."
             )
         var.set_value(jnp.asarray(weight, dtype=config.jnp_dtype))

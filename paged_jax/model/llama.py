@@ -27,6 +27,16 @@ from paged_jax.model.config import ModelConfig
 
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
+# On CPU, a 16-bit projection of at most this many rows puts its weight on the left by
+# default (`project`); beyond it the activations on the left run faster.
+WEIGHT_LEFT_MAX_ROWS = 64
+
+
+def cpu_16bit(dtype) -> bool:
+    """Whether arrays of ``dtype`` are 16-bit floats on XLA:CPU, where the model takes the
+    paths below that keep them fast."""
+    return jnp.dtype(dtype).itemsize == 2 and jax.default_backend() == "cpu"
+
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     """[head_dim // 2] float32 inverse frequencies, computed as transformers does (in f32)."""
@@ -99,8 +109,8 @@ def causal_attend(positions: jax.Array, lengths: jax.Array | None = None) -> Att
 
 
 def dense_dot_general(
-    lhs: jax.Array,  # [..., K], the activations
-    rhs: jax.Array,  # the weight, K on the axis dimension_numbers names
+    lhs: jax.Array,  # [..., K]: the activations, or a weight [out, K] on the left
+    rhs: jax.Array,  # the other operand, K on the axis dimension_numbers names
     dimension_numbers,
     precision=None,
     preferred_element_type=None,
@@ -122,7 +132,7 @@ def dense_dot_general(
                                    preferred_element_type=preferred_element_type, **kwargs)
     out_dtype = preferred_element_type or lhs.dtype
     (lhs_contract, rhs_contract), batch_dims = dimension_numbers
-    pad = jax.default_backend() == "cpu" and batch_dims == ((), ())
+    pad = cpu_16bit(lhs.dtype) and batch_dims == ((), ())
     one_row = (pad and tuple(lhs_contract) == (lhs.ndim - 1,)
                and math.prod(lhs.shape[:-1]) == 1)
     one_col = (pad and not one_row and rhs.ndim == 2 and len(rhs_contract) == 1
@@ -140,16 +150,61 @@ def dense_dot_general(
     return y[..., :1] if one_col else y
 
 
+def project(
+    x: jax.Array,  # [..., in]
+    weight: jax.Array,  # [out, in], as PyTorch and GGUF store it
+    *,
+    dot_general=dense_dot_general,
+    weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS,
+    preferred_element_type=None,
+) -> jax.Array:  # [..., out]
+    """``x @ weight.T``. A 16-bit weight on CPU times at most ``weight_left_rows`` rows is
+    computed the other way round, ``weight @ rows.T``, and the ``[out, rows]`` result
+    transposed back: that is how XLA:CPU's bf16 matmul streams the weight fastest, each
+    output row reading one contiguous row of ``weight``. With the activations on the left
+    it runs at about two thirds of that speed (``paged-jax bench decode --dtype bfloat16``
+    measures the difference it makes to decoding); from about a hundred rows on the
+    activations on the left are the faster, and in f32 the two run about even."""
+    kw = dict(preferred_element_type=preferred_element_type)
+    rows = math.prod(x.shape[:-1])
+    if not (cpu_16bit(weight.dtype) and rows <= weight_left_rows):
+        return dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), **kw)
+    y = dot_general(weight, x.reshape(rows, -1), (((1,), (1,)), ((), ())), **kw)  # [out, n]
+    return y.T.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nnx.Module):
+    """``y = x @ weight.T + bias`` with ``weight`` ``[out, in]``, the layout Hugging Face and
+    GGUF checkpoints store, so that loading copies no transpose; computed by ``project``."""
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
+                 rngs: nnx.Rngs, dot_general=dense_dot_general,
+                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS, preferred_element_type=None):
+        init = nnx.initializers.lecun_normal(in_axis=1, out_axis=0)
+        self.weight = nnx.Param(init(rngs.params(), (out_features, in_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+        self.dot_general, self.weight_left_rows = dot_general, weight_left_rows
+        self.preferred_element_type = preferred_element_type
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+        weight = self.weight[...]
+        y = project(x.astype(weight.dtype), weight, dot_general=self.dot_general,
+                    weight_left_rows=self.weight_left_rows,
+                    preferred_element_type=self.preferred_element_type)
+        return y if self.bias is None else y + self.bias[...]
+
+
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dot_general=dense_dot_general):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dot_general=dense_dot_general,
+                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS):
         self.config = config
         e, d = config.hidden_size, config.head_dim
-        kw = dict(dtype=config.jnp_dtype, param_dtype=config.jnp_dtype,
-                  dot_general=dot_general, rngs=rngs)
-        self.q_proj = nnx.Linear(e, config.num_heads * d, use_bias=config.qkv_bias, **kw)
-        self.k_proj = nnx.Linear(e, config.num_kv_heads * d, use_bias=config.qkv_bias, **kw)
-        self.v_proj = nnx.Linear(e, config.num_kv_heads * d, use_bias=config.qkv_bias, **kw)
-        self.o_proj = nnx.Linear(config.num_heads * d, e, use_bias=config.o_bias, **kw)
+        kw = dict(dtype=config.jnp_dtype, dot_general=dot_general,
+                  weight_left_rows=weight_left_rows, rngs=rngs)
+        self.q_proj = Linear(e, config.num_heads * d, use_bias=config.qkv_bias, **kw)
+        self.k_proj = Linear(e, config.num_kv_heads * d, use_bias=config.qkv_bias, **kw)
+        self.v_proj = Linear(e, config.num_kv_heads * d, use_bias=config.qkv_bias, **kw)
+        self.o_proj = Linear(config.num_heads * d, e, use_bias=config.o_bias, **kw)
 
     def __call__(self, x, positions, inv_freq, layer: int, attend: AttendFn, cache):
         cfg = self.config
@@ -163,15 +218,14 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dot_general=dense_dot_general):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dot_general=dense_dot_general,
+                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS):
         e, f = config.hidden_size, config.intermediate_size
-        kw = dict(
-            use_bias=config.mlp_bias, dtype=config.jnp_dtype, param_dtype=config.jnp_dtype,
-            dot_general=dot_general, rngs=rngs,
-        )
-        self.gate_proj = nnx.Linear(e, f, **kw)
-        self.up_proj = nnx.Linear(e, f, **kw)
-        self.down_proj = nnx.Linear(f, e, **kw)
+        kw = dict(use_bias=config.mlp_bias, dtype=config.jnp_dtype, dot_general=dot_general,
+                  weight_left_rows=weight_left_rows, rngs=rngs)
+        self.gate_proj = Linear(e, f, **kw)
+        self.up_proj = Linear(e, f, **kw)
+        self.down_proj = Linear(f, e, **kw)
 
     def __call__(self, x):  # [B, T, E]
         return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -185,11 +239,13 @@ def _rms_norm(config: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dot_general=dense_dot_general):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dot_general=dense_dot_general,
+                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS):
+        kw = dict(rngs=rngs, dot_general=dot_general, weight_left_rows=weight_left_rows)
         self.input_layernorm = _rms_norm(config, rngs)
-        self.self_attn = Attention(config, rngs=rngs, dot_general=dot_general)
+        self.self_attn = Attention(config, **kw)
         self.post_attention_layernorm = _rms_norm(config, rngs)
-        self.mlp = MLP(config, rngs=rngs, dot_general=dot_general)
+        self.mlp = MLP(config, **kw)
 
     def __call__(self, x, positions, inv_freq, layer, attend, cache):
         h, cache = self.self_attn(
@@ -203,27 +259,31 @@ class Llama(nnx.Module):
     """``LlamaForCausalLM`` / ``Qwen2ForCausalLM``: tokens in, f32 logits out.
 
     ``cpu_16bit_paths=False`` turns off what makes 16-bit weights fast on XLA:CPU (the
-    layers' ``dense_dot_general``, the embedding gathered as bits, the tied projection with
-    the table on the left), leaving XLA's plain ops: the same values, for benchmarks to
-    measure the difference. The output projection keeps ``dense_dot_general`` either way:
+    layers' ``dense_dot_general``, a projection of up to ``weight_left_rows`` rows with its
+    weight on the left, the embedding gathered as bits), leaving XLA's plain ops: the same
+    values, for benchmarks to measure the difference. ``weight_left_rows=0`` turns off the
+    weight on the left alone. The output projection keeps ``dense_dot_general`` either way:
     its unrounded f32 logits are part of the values."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, cpu_16bit_paths: bool = True):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, cpu_16bit_paths: bool = True,
+                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS):
         self.config = config
         self.cpu_16bit_paths = cpu_16bit_paths
+        self.weight_left_rows = weight_left_rows if cpu_16bit_paths else 0
         dot_general = dense_dot_general if cpu_16bit_paths else jax.lax.dot_general
         dtype = config.jnp_dtype
         self.embed_tokens = nnx.Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs, dot_general=dot_general)
+        kw = dict(dot_general=dot_general, weight_left_rows=self.weight_left_rows)
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs, **kw)
                                 for _ in range(config.num_layers)])
         self.norm = _rms_norm(config, rngs)
-        # Tied models have no lm_head: logits come from the embedding (`Embed.attend`).
-        self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
+        # Tied models have no lm_head: logits come from the embedding (`logits`).
+        self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
-            param_dtype=dtype, dot_general=dense_dot_general,
-            preferred_element_type=jnp.float32, rngs=rngs,  # f32 logits, never rounded
+            weight_left_rows=self.weight_left_rows, rngs=rngs,
+            preferred_element_type=jnp.float32,  # f32 logits, never rounded
         )
 
     def hidden(
@@ -246,29 +306,17 @@ class Llama(nnx.Module):
         ``uint16`` bits: XLA:CPU gathers from a bf16 table by converting all of it to f32 in
         every dispatch, where the bits cost one copy of the table at its own size."""
         table = self.embed_tokens.embedding[...]  # [V, E]
-        if not self._cpu_16bit(table):
+        if not (self.cpu_16bit_paths and cpu_16bit(table.dtype)):
             return self.embed_tokens(tokens)
         bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
         return jax.lax.bitcast_convert_type(jnp.take(bits, tokens, axis=0), table.dtype)
 
-    def _cpu_16bit(self, table: jax.Array) -> bool:
-        return (self.cpu_16bit_paths and table.dtype.itemsize == 2
-                and jax.default_backend() == "cpu")
-
     def logits(self, h: jax.Array) -> jax.Array:  # [..., E] -> [..., V] f32
-        if self.lm_head is None:  # tied: Embed.attend's h @ embedding.T, as dense_dot_general
-            table = self.embed_tokens.embedding[...]  # [V, E]
-            h = h.astype(table.dtype)
-            if not self._cpu_16bit(table):
-                return dense_dot_general(h, table, (((h.ndim - 1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
-            # embedding @ h.T, the table on the left: as the right operand of a bf16 dot,
-            # XLA:CPU would copy the whole table transposed ([E, V]) for every dispatch.
-            rows = h.reshape(-1, h.shape[-1])  # [n, E]
-            out = dense_dot_general(table, rows, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)  # [V, n]
-            return out.T.reshape(*h.shape[:-1], table.shape[0])
-        return self.lm_head(h).astype(jnp.float32)
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        table = self.embed_tokens.embedding[...]  # tied: the table [V, E] is the weight
+        return project(h.astype(table.dtype), table, weight_left_rows=self.weight_left_rows,
+                       preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, positions=None, cache=None, attend=None):
         """Logits ``[B, T, V]`` (f32) and the updated cache. With no ``attend``, a dense causal

@@ -90,14 +90,14 @@ def test_param_specs_are_megatron_style(model):
     specs = sharding.param_specs(params)
     attn, mlp = specs["layers"][0]["self_attn"], specs["layers"][0]["mlp"]
     for name in ("q_proj", "k_proj", "v_proj"):
-        assert attn[name]["kernel"] == P(None, "tp")
-    assert attn["o_proj"]["kernel"] == P("tp", None)
-    assert mlp["gate_proj"]["kernel"] == mlp["up_proj"]["kernel"] == P(None, "tp")
-    assert mlp["down_proj"]["kernel"] == P("tp", None)
-    assert specs["embed_tokens"]["embedding"] == specs["lm_head"]["kernel"] == P()
+        assert attn[name]["weight"] == P("tp", None)
+    assert attn["o_proj"]["weight"] == P(None, "tp")
+    assert mlp["gate_proj"]["weight"] == mlp["up_proj"]["weight"] == P("tp", None)
+    assert mlp["down_proj"]["weight"] == P(None, "tp")
+    assert specs["embed_tokens"]["embedding"] == specs["lm_head"]["weight"] == P()
     placed = sharding.shard_params(params, mesh((4,)))
-    q = placed["layers"][0]["self_attn"]["q_proj"]["kernel"]  # [E, Hq * D]
-    assert {s.data.shape for s in q.addressable_shards} == {(GQA.hidden_size, 2 * GQA.head_dim)}
+    q = placed["layers"][0]["self_attn"]["q_proj"]["weight"]  # [Hq * D, E]
+    assert {s.data.shape for s in q.addressable_shards} == {(2 * GQA.head_dim, GQA.hidden_size)}
 
 
 def shard_pointers(kv):
