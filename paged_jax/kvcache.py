@@ -26,7 +26,7 @@ import numpy as np
 from flax import struct
 
 from paged_jax.allocator import CacheConfig
-from paged_jax.model.config import ModelConfig
+from paged_jax.model.config import ModelConfig, cpu_16bit
 
 
 @struct.dataclass
@@ -62,11 +62,7 @@ class KVCache:
 def storage_dtype(dtype, platform: str | None = None) -> jnp.dtype:
     """The dtype a pool of ``dtype`` values is kept in on ``platform`` (default: JAX's default
     backend): ``uint16`` for a 16-bit float on CPU (see the module docstring), else ``dtype``."""
-    dtype = jnp.dtype(dtype)
-    platform = platform or jax.default_backend()
-    if platform == "cpu" and dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
-        return jnp.dtype(jnp.uint16)
-    return dtype
+    return jnp.dtype(jnp.uint16) if cpu_16bit(dtype, platform) else jnp.dtype(dtype)
 
 
 def as_values(pages: jax.Array, dtype) -> jax.Array:

@@ -306,6 +306,17 @@ def pool_write_seconds(config, platform: str | None, pool_bytes: int = 256 * 2**
     return best
 
 
+def print_ablation(results, side: str, measured: str, heading: str) -> None:
+    """``heading``, then per batch of ``results`` the tokens/s of the paged_jax variant
+    ``side``, paged_jax's speed over it (``measured``: what paged_jax has that it lacks) and
+    how many rows the two decoded alike."""
+    print(heading)
+    for batch, rates, _, ids in results:
+        same = sum(d is None for d in agreement(ids[side], ids["paged_jax"]))
+        print(f"  batch {batch}: {rates[side]:.1f} tok/s; {measured} "
+              f"{rates['paged_jax'] / rates[side]:.2f}x that ({same}/{batch} rows token-equal)")
+
+
 def agreement(ours: np.ndarray, theirs: np.ndarray) -> list[int | None]:
     """Per row of ``ours`` and ``theirs`` ([B, N] ids): the first position where they differ,
     or None where the row agrees fully."""
@@ -397,20 +408,14 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
         print(f"  batch {batch}: at most {top:.1f} tok/s, {top / rates['transformers']:.2f}x "
               f"transformers; paged_jax runs at {rates['paged_jax'] / top:.0%} of it")
     if ablate:
-        print(f"paged_jax without its CPU measures for {cfg.dtype} (the pool stored as "
-              f"{cfg.dtype}, the model built with cpu_16bit_paths=False), same tight pool:")
-        for batch, rates, _, ids in results:
-            same = sum(d is None for d in agreement(ids["plain"], ids["paged_jax"]))
-            print(f"  batch {batch}: {rates['plain']:.1f} tok/s; with them "
-                  f"{rates['paged_jax'] / rates['plain']:.2f}x that ({same}/{batch} rows "
-                  f"token-equal)")
-        print(f"paged_jax with each projection's weight on the right (weight_left_rows=0; on "
-              f"the left, the default, up to {ours.weight_left_rows} rows):")
-        for batch, rates, _, ids in results:
-            same = sum(d is None for d in agreement(ids["weight_right"], ids["paged_jax"]))
-            print(f"  batch {batch}: {rates['weight_right']:.1f} tok/s; on the left "
-                  f"{rates['paged_jax'] / rates['weight_right']:.2f}x that ({same}/{batch} "
-                  f"rows token-equal)")
+        print_ablation(results, "plain", "with them",
+                       f"paged_jax without its CPU measures for {cfg.dtype} (the pool stored as "
+                       f"{cfg.dtype}, the model built with cpu_16bit_paths=False), same tight "
+                       f"pool:")
+        print_ablation(results, "weight_right", "on the left",
+                       f"paged_jax with each projection's weight on the right "
+                       f"(weight_left_rows=0; on the left, the default, up to "
+                       f"{ours.weight_left_rows} rows):")
         bits, native = pool_write_seconds(cfg, None), pool_write_seconds(cfg, "gpu")
         print(f"one layer's K/V write of one token into a 256 MiB {cfg.dtype} pool: "
               f"{1e3 * bits:.2f} ms kept as uint16 bits, {1e3 * native:.2f} ms stored as "

@@ -7,11 +7,21 @@ import json
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cpu_16bit(dtype, platform: str | None = None) -> bool:
+    """Whether ``dtype`` is a 16-bit float on XLA:CPU (``platform``, default JAX's default
+    backend), where the pool (``paged_jax.kvcache``) and the model (``paged_jax.model.llama``)
+    take the paths that keep such arrays fast."""
+    dtype = jnp.dtype(dtype)
+    return (dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+            and (platform or jax.default_backend()) == "cpu")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,19 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from paged_jax.model.config import ModelConfig
+from paged_jax.model.config import ModelConfig, cpu_16bit
 
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 # On CPU, a 16-bit projection of at most this many rows puts its weight on the left by
 # default (`project`); beyond it the activations on the left run faster.
 WEIGHT_LEFT_MAX_ROWS = 64
-
-
-def cpu_16bit(dtype) -> bool:
-    """Whether arrays of ``dtype`` are 16-bit floats on XLA:CPU, where the model takes the
-    paths below that keep them fast."""
-    return jnp.dtype(dtype).itemsize == 2 and jax.default_backend() == "cpu"
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
