@@ -111,6 +111,10 @@ def test_bench_decode_in_bf16_runs_both_sides_on_the_same_rounded_weights(capsys
     right = re.search(r"batch 2: ([\d.]+) tok/s; on the left ([\d.]+)x that \((\d)/2 rows", out)
     assert right and float(right[1]) > 0, out
     assert float(right[2]) == pytest.approx(float(rows[0][2]) / float(right[1]), rel=0.02)
+    once = re.search(r"batch 2: ([\d.]+) tok/s; made once ([\d.]+)x that \((\d)/2 rows", out)
+    assert once and float(once[1]) > 0, out
+    assert float(once[2]) == pytest.approx(float(rows[0][2]) / float(once[1]), rel=0.02)
+    assert once[3] == "2", out  # the same rows gathered either way: the same tokens
     write = re.search(r"256 MiB bfloat16 pool: ([\d.]+) ms kept as uint16 bits, ([\d.]+) ms "
                       r"stored as bfloat16", out)
     assert write and float(write[1]) > 0 and float(write[2]) > 0, out

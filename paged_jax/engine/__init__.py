@@ -1,7 +1,14 @@
 """The serving steps (prefill, decode), next-token sampling and the decode benchmark."""
 
 from paged_jax.engine.sampling import check_sampling, filtered_logits, sample
-from paged_jax.engine.steps import Steps, decode_step, decode_steps, pad_prompts, prefill
+from paged_jax.engine.steps import (
+    Steps,
+    decode_step,
+    decode_steps,
+    pad_prompts,
+    prefill,
+    serving_params,
+)
 
 __all__ = [
     "Steps",
@@ -12,4 +19,5 @@ __all__ = [
     "pad_prompts",
     "prefill",
     "sample",
+    "serving_params",
 ]

@@ -56,7 +56,7 @@ from paged_jax.engine.params import CompletionOutput, RequestMetrics, RequestOut
 from paged_jax.engine.prefix_cache import ROOT, Lookup, PrefixCache
 from paged_jax.engine.sampling import row_keys, sample
 from paged_jax.engine.scheduler import Plan, Scheduler, Sequence
-from paged_jax.engine.steps import Steps
+from paged_jax.engine.steps import Steps, serving_params
 from paged_jax.kvcache import init_cache, plan_blocks
 from paged_jax.model.llama import Llama
 from paged_jax.sharding import auto_axes, check_model, init_sharded_cache, replicate, shard_params
@@ -262,8 +262,8 @@ class LLMEngine:
         self.prefill_by_width = bool(prefill_by_width)
         self.bucket_decode_rows = bool(bucket_decode_rows)
 
-        graphdef, params = nnx.split(model)
-        self.graphdef, self.params = graphdef, nnx.to_pure_dict(params)
+        graphdef = nnx.split(model)[0]
+        self.graphdef, self.params = graphdef, serving_params(model)
         if steps is None:
             steps = Steps(graphdef, mesh=mesh)  # the model's jitted prefill and decode
         elif not isinstance(steps, Steps) or steps.graphdef != graphdef:

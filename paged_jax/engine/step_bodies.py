@@ -37,6 +37,21 @@ from paged_jax.kvcache import KVCache, copy_blocks, write
 from paged_jax.model.llama import masked_attention
 from paged_jax.sharding import constrain
 
+# The key under which ``steps.serving_params`` carries the embedding table's bits beside the
+# model's parameters (``Llama.embedding_bits``), so that no step makes them per dispatch.
+EMBED_BITS = "embed_bits"
+
+
+def _merge(graphdef: nnx.GraphDef, params):
+    """``(model, embed_bits)``: the model merged from ``params``, and the embedding bits they
+    carry under ``EMBED_BITS`` (None if they carry none)."""
+    if isinstance(params, dict) and EMBED_BITS in params:
+        params = dict(params)
+        bits = params.pop(EMBED_BITS)
+    else:
+        bits = None
+    return nnx.merge(graphdef, params), bits
+
 
 def _select(pred, on_true, on_false):
     """Pytree-wide ``where`` on a scalar predicate (all-or-nothing state updates)."""
@@ -48,7 +63,7 @@ def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState,
     """``prefill`` on checked inputs: tokens [B, T], seq_ids and num_tokens [B] int, extend
     [B] bool. Returns ``(logits, kv, state, status)``."""
     cfg = state.config
-    model = nnx.merge(graphdef, params)
+    model, bits = _merge(graphdef, params)
     batch, width = tokens.shape
     ids = seq_ids.astype(jnp.int32)
     n = num_tokens.astype(jnp.int32)
@@ -102,7 +117,7 @@ def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState,
         values = kv.values(gather_pages(kv.v[layer], tables)).swapaxes(1, 2)
         return masked_attention(q, keys, values, mask), kv
 
-    h, kv = model.hidden(tokens.astype(jnp.int32), positions, kv, attend)  # [B, T, E]
+    h, kv = model.hidden(tokens.astype(jnp.int32), positions, kv, attend, bits)  # [B, T, E]
     if all_logits:
         logits = model.logits(h)  # [B, T, V]
     else:
@@ -125,7 +140,7 @@ def _claim(model, kv: KVCache, state: BlockState, tokens, mask, num_steps: int, 
 
 
 def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, attention,
-             extra=()):
+             extra=(), embed_bits=None):
     """One token per row at ``positions`` (rows not ``live`` write nothing): writes its K/V
     at the row's ``slot_mapping``, then ``attention(layer, q, k, v, kv, extra) -> (out,
     extra)`` (a ``kernels.strategies`` attention) attends. ``state`` has already claimed the
@@ -141,7 +156,8 @@ def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, att
         out, extra = attention(layer, q[:, 0], k[:, 0], v[:, 0], kv, extra)
         return out[:, None], (kv, extra)
 
-    logits, (kv, extra) = model(tokens[:, None], positions[:, None], (kv, extra), attend)
+    logits, (kv, extra) = model(tokens[:, None], positions[:, None], (kv, extra), attend,
+                                embed_bits)
     return logits[:, 0], kv, extra
 
 
@@ -149,7 +165,7 @@ def decode_step_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockSt
                      *, impl: str, interpret: bool, mesh=None):
     """``decode_step`` on checked inputs (tokens [max_seqs] int): one token for every active
     row. Returns ``(logits, kv, state, status)``."""
-    model = nnx.merge(graphdef, params)
+    model, bits = _merge(graphdef, params)
     tokens, mask = tokens.astype(jnp.int32), state.active
     positions = state.seq_lens
     kv, state, status = _claim(model, kv, state, tokens, mask, 1, "decode_step")
@@ -157,7 +173,7 @@ def decode_step_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockSt
     attention_at, extra = strategies.per_step(state.block_tables, positions, impl=impl,
                                               interpret=interpret, mesh=mesh)
     logits, kv, _ = _forward(model, kv, state, tokens, positions, live, attention_at(0, live),
-                             extra)
+                             extra, bits)
     kv, state = constrain(kv, state, mesh)
     return logits, kv, state, status
 
@@ -175,7 +191,7 @@ def decode_steps_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockS
                       hoist_max_bytes: int = strategies.HOIST_MAX_BYTES, mesh=None):
     """``decode_steps`` on checked inputs (``step_inputs.decode_steps_inputs``). Returns
     ``(tokens, logits, kv, state, status)``."""
-    model = nnx.merge(graphdef, params)
+    model, bits = _merge(graphdef, params)
     slots = state.config.max_seqs
     rows = slots if rows is None else rows  # the model runs on slots 0..rows-1 only
     # All K steps' blocks are claimed once, up front: the scan body does no allocator work.
@@ -201,7 +217,7 @@ def decode_steps_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockS
         kv, extra, tokens, going = loop  # going: [S] rows that run step t
         t, step_key = xs
         logits, kv, extra = _forward(model, kv, state, tokens, start + t, going,
-                                     attention_at(t, going), extra)
+                                     attention_at(t, going), extra, bits)
         if seeds is not None and sample:  # one key per row: its seed, the new token's position
             step_key = sampling.row_keys(seeds, start + t + 1)
         if sample:  # static: a greedy run draws no random numbers

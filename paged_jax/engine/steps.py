@@ -5,7 +5,9 @@ the parameters are arguments, never constants in the HLO), the paged ``KVCache``
 allocator's ``BlockState``, and returns them updated. ``params`` may be the ``nnx.State`` or,
 cheaper per call, its plain nested dict ``nnx.to_pure_dict(params)``: jit flattens its
 arguments on every call, and an ``nnx.State`` flattens through a Python callback per
-variable where the dict needs none. A serving loop converts once. The cache and the state
+variable where the dict needs none. A serving loop converts once, with ``serving_params``:
+that dict plus what the steps would otherwise make from the parameters in every dispatch
+(a 16-bit model's embedding bits on CPU, ``Llama.embedding_bits``). The cache and the state
 are donated: XLA updates them in place and the caller's input arrays are deleted.
 
 Row ``s`` of a step's batch is sequence slot ``s`` of the ``BlockState``. Everything that
@@ -31,7 +33,12 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.allocator import BlockState, Status
-from paged_jax.engine.step_bodies import decode_step_body, decode_steps_body, prefill_body
+from paged_jax.engine.step_bodies import (
+    EMBED_BITS,
+    decode_step_body,
+    decode_steps_body,
+    prefill_body,
+)
 from paged_jax.engine.step_inputs import (
     check_cache,
     check_decode_tokens,
@@ -51,7 +58,7 @@ from paged_jax.sharding import (
 )
 
 __all__ = ["DONATE", "HOIST_MAX_BYTES", "Steps", "check_cache", "decode_step", "decode_steps",
-           "pad_prompts", "prefill", "step_impl"]
+           "pad_prompts", "prefill", "serving_params", "step_impl"]
 
 DONATE = ("kv", "state")
 
@@ -65,6 +72,18 @@ def _prefill(graphdef, params, kv, state, tokens, seq_ids, num_tokens, extend, *
 
 _DECODE_STEPS_STATIC = ("num_steps", "impl", "interpret", "return_logits", "sample", "filtered",
                         "rows", "hoist_max_bytes")
+
+
+def serving_params(model) -> dict:
+    """The steps' ``params`` for a serving loop: ``nnx.to_pure_dict`` of ``model``'s state
+    and, where the model gathers its embedding as bits (a 16-bit ``Llama`` on CPU), those
+    bits under ``"embed_bits"`` (``Llama.embedding_bits``), made once here. Without them
+    every dispatch copies the whole table to reinterpret it (``paged-jax bench decode
+    --dtype bfloat16`` times the difference); with them the table is held twice. Made from
+    the parameters as they are now: after changing them, make these again."""
+    params = nnx.to_pure_dict(nnx.state(model))
+    bits = model.embedding_bits()
+    return params if bits is None else {**params, EMBED_BITS: bits}
 
 
 def pad_prompts(prompts, width: int | None = None) -> np.ndarray:

@@ -286,24 +286,48 @@ class Llama(nnx.Module):
         positions: jax.Array,  # [B, T] int32
         cache: Any = None,
         attend: AttendFn | None = None,
+        embed_bits: jax.Array | None = None,  # [V, E] uint16: ``embedding_bits()``
     ) -> tuple[jax.Array, Any]:  # ([B, T, E] final-normed hidden states, cache)
         if attend is None:
             attend = causal_attend(positions)
         inv_freq = rope_inv_freq(self.config)
-        x = self.embed(tokens)  # [B, T, E]
+        x = self.embed(tokens, embed_bits)  # [B, T, E]
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, positions, inv_freq, i, attend, cache)
         return self.norm(x), cache
 
-    def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] int32 -> [B, T, E]
-        """The tokens' rows of the embedding. On CPU a 16-bit table is gathered as its
-        ``uint16`` bits: XLA:CPU gathers from a bf16 table by converting all of it to f32 in
-        every dispatch, where the bits cost one copy of the table at its own size."""
+    def embed(self, tokens: jax.Array, bits: jax.Array | None = None) -> jax.Array:
+        """The tokens' rows of the embedding: ``[B, T]`` int32 -> ``[B, T, E]``.
+
+        On CPU a 16-bit table is gathered as its ``uint16`` bits: XLA:CPU gathers from a bf16
+        table by converting all of it to f32 in every dispatch. Reinterpreting the table as
+        bits is itself a copy of it in every dispatch, unless the caller passes ``bits``,
+        the table's bits made once (``embedding_bits``)."""
         table = self.embed_tokens.embedding[...]  # [V, E]
-        if not (self.cpu_16bit_paths and cpu_16bit(table.dtype)):
+        if not self.gathers_bits():
             return self.embed_tokens(tokens)
-        bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
+        if bits is None:
+            bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
+        elif bits.shape != table.shape or bits.dtype != jnp.uint16:
+            raise ValueError(f"embed_bits must be the embedding's bits, uint16 "
+                             f"{tuple(table.shape)}. Got {bits.dtype} {tuple(bits.shape)}.")
         return jax.lax.bitcast_convert_type(jnp.take(bits, tokens, axis=0), table.dtype)
+
+    def gathers_bits(self) -> bool:
+        """Whether ``embed`` gathers the table as ``uint16`` bits (a 16-bit table on CPU,
+        with ``cpu_16bit_paths``)."""
+        return self.cpu_16bit_paths and cpu_16bit(self.embed_tokens.embedding.dtype)
+
+    def embedding_bits(self) -> jax.Array | None:
+        """``[V, E]`` uint16: the embedding table's bits, for ``embed``'s ``bits``, or None
+        where ``embed`` does not gather bits. A serving loop makes them once and passes them
+        to every step (``paged_jax.engine.serving_params``): the same bytes again as the
+        table (a second copy in memory), where a step that makes them itself copies the
+        whole table in every dispatch. Made from the table as it is now: after changing
+        the embedding, make them again."""
+        if not self.gathers_bits():
+            return None
+        return jax.lax.bitcast_convert_type(self.embed_tokens.embedding[...], jnp.uint16)
 
     def logits(self, h: jax.Array) -> jax.Array:  # [..., E] -> [..., V] f32
         if self.lm_head is not None:
@@ -312,13 +336,14 @@ class Llama(nnx.Module):
         return project(h.astype(table.dtype), table, weight_left_rows=self.weight_left_rows,
                        preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens, positions=None, cache=None, attend=None):
+    def __call__(self, tokens, positions=None, cache=None, attend=None, embed_bits=None):
         """Logits ``[B, T, V]`` (f32) and the updated cache. With no ``attend``, a dense causal
-        forward pass over ``tokens`` (positions ``0..T-1`` unless given)."""
+        forward pass over ``tokens`` (positions ``0..T-1`` unless given). ``embed_bits``:
+        ``embedding_bits()``, made once by the caller (see ``embed``)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
                                          tokens.shape)
-        h, cache = self.hidden(tokens, positions, cache, attend)
+        h, cache = self.hidden(tokens, positions, cache, attend, embed_bits)
         return self.logits(h), cache
 
 
