@@ -40,6 +40,34 @@ def test_sweep_on_a_tiny_model(tiny_hf_dir, tmp_path):
             assert r["peak_concurrency"] == 6
 
 
+def test_sweep_in_bf16_serves_the_same_rounded_weights(tiny_hf_dir, tmp_path, capsys):
+    """``--dtype bfloat16``: both sides hold the checkpoint's weights rounded to bf16, bit for
+    bit; every server completes every request with exactly its output length; the compute
+    floor is a bf16 matmul's."""
+    ours, tok, theirs = bench_serve.load(str(tiny_hf_dir), "bfloat16")
+    assert theirs.dtype == torch.bfloat16
+    for name in ("q_proj", "o_proj"):
+        want = getattr(theirs.model.layers[1].self_attn, name).weight.detach().float().numpy()
+        got = getattr(ours.layers[1].self_attn, name).weight.get_value()
+        assert got.dtype == "bfloat16" and (got.astype("float32") == want).all(), name
+    with pytest.raises(ValueError, match="--dtype float32 is not the loaded model's bfloat16"):
+        bench_serve.main(["--model", str(tiny_hf_dir)], loaded=(ours, tok, theirs))
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_hf_dir), "--dataset", "random", "--num-prompts", "6",
+            "--random-input-len", "24", "--max-output-len", "5", "--max-num-seqs", "4",
+            "--request-rate", "inf", "--max-num-batched-tokens", "32",
+            "--steps-per-dispatch", "2", "--out", str(out), "--dtype", "bfloat16",
+            "--systems", "paged_jax", "generate_batch", "generate"]
+    assert bench_serve.main(argv, loaded=(ours, tok, theirs)) == 0
+    printed = capsys.readouterr().out
+    assert "vocab 256, bfloat16;" in printed and "the fastest bfloat16 matmul" in printed
+    report = json.loads((out / "serve.json").read_text())
+    assert report["args"]["dtype"] == "bfloat16"
+    assert {r["system"] for r in report["results"]} == set(bench_serve.SYSTEMS)
+    for r in report["results"]:
+        assert r["completed"] == 6 and r["output_tokens"] == 6 * 5, r
+
+
 def test_static_batches_take_what_has_arrived(tiny_hf_dir):
     """generate's batches: arrival order, at most the limit, only what has arrived."""
     ours, tok, theirs = bench_serve.load(str(tiny_hf_dir))
@@ -130,8 +158,9 @@ def test_throughput_bound_by_hand():
         throughput_bound(reqs, 1e9, 0)
 
 
-def test_matmul_rate_names_what_reached_it():
-    rate, where = bench_serve.matmul_rate([(64, 32, 16), (8, 8, 8)], repeats=1)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_matmul_rate_names_what_reached_it(dtype):
+    rate, where = bench_serve.matmul_rate([(64, 32, 16), (8, 8, 8)], repeats=1, dtype=dtype)
     assert rate > 0
     assert re.fullmatch(r"(jax|torch) \[(64x32\] @ \[32x16|8x8\] @ \[8x8)\]", where), where
 

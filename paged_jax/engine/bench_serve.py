@@ -37,7 +37,8 @@ of percent from run to run. With ``--http``, the goal line also pairs HTTP with 
 by repeat (``http_goal``).
 
 All are greedy, ignore EOS and generate exactly each request's output length
-(ShareGPT's reply length, capped at ``--max-output-len``), from the same f32 weights, on the
+(ShareGPT's reply length, capped at ``--max-output-len``), from the same weights in one
+``--dtype`` (f32 by default; bf16 rounds the checkpoint's on both sides), on the
 same prompts and arrival times. The results go to ``--out``: ``serve.json`` (every run's
 figures) and ``serve.png`` (median TTFT against output throughput per server, one point per
 batch limit, one panel per rate).
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs of each configuration, the systems taking turns; each "
                    "figure is the median over them")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="every server's weights (the checkpoint's, rounded to it) and "
+                   "activations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_serve_out"))
     return p
@@ -264,23 +268,27 @@ class PagedServer:
         return [timings[i] for i in range(len(requests))]
 
 
-def matmul_rate(shapes: list[tuple[int, int, int]], repeats: int = 3) -> tuple[float, str]:
-    """The fastest f32 matmul rate measured here, FLOP/s, and what reached it: ``[m, k] @
-    [k, n]`` for each ``(m, k, n)`` of ``shapes``, in jax and in torch, best of ``repeats``
-    timed calls after one untimed call. A stand-in for the machine's peak when bounding what
-    any server can reach (``serve_metrics.throughput_bound``)."""
+def matmul_rate(shapes: list[tuple[int, int, int]], repeats: int = 3,
+                dtype: str = "float32") -> tuple[float, str]:
+    """The fastest ``dtype`` matmul rate measured here, FLOP/s, and what reached it: ``[m, k]
+    @ [k, n]`` for each ``(m, k, n)`` of ``shapes``, in jax (a 16-bit product accumulated in
+    f32, as the model's matmuls are) and in torch, best of ``repeats`` timed calls after one
+    untimed call. A stand-in for the machine's peak when bounding what any server can reach
+    (``serve_metrics.throughput_bound``)."""
     import jax
     import jax.numpy as jnp
     import torch
 
-    dot = jax.jit(jnp.matmul)
+    dot = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     best, where = 0.0, ""
     rng = np.random.default_rng(0)
     for m, k, n in shapes:
         a = rng.standard_normal((m, k), dtype=np.float32)
         b = rng.standard_normal((k, n), dtype=np.float32)
-        for lib, mm, x, y in (("jax", dot, jnp.asarray(a), jnp.asarray(b)),
-                              ("torch", torch.mm, torch.from_numpy(a), torch.from_numpy(b))):
+        ours = (jnp.asarray(a, dtype), jnp.asarray(b, dtype))
+        theirs = (torch.from_numpy(a).to(getattr(torch, dtype)),
+                  torch.from_numpy(b).to(getattr(torch, dtype)))
+        for lib, mm, x, y in (("jax", dot, *ours), ("torch", torch.mm, *theirs)):
             jax.block_until_ready(mm(x, y))  # untimed: compiles, warms
             for _ in range(repeats):
                 start = time.perf_counter()
@@ -496,15 +504,16 @@ def plain(x):
     return str(x) if isinstance(x, pathlib.Path) else x
 
 
-def load(model_arg):
-    """(paged_jax model, tokenizer or None, transformers model): the same f32 weights."""
+def load(model_arg, dtype: str = "float32"):
+    """(paged_jax model, tokenizer or None, transformers model): the same weights, in
+    ``dtype``."""
     from paged_jax.engine.bench_model import load_transformers
     from paged_jax.engine.llm import load_model
     from paged_jax.model.tokenizer import default_gguf_path
 
     path = pathlib.Path(default_gguf_path() if model_arg is None else model_arg)
-    ours, tokenizer = load_model(os.fspath(path), "float32")
-    return ours, tokenizer, load_transformers(path)
+    ours, tokenizer = load_model(os.fspath(path), dtype)
+    return ours, tokenizer, load_transformers(path, dtype)
 
 
 def main(argv: list[str] | None = None, loaded=None) -> int:
@@ -516,13 +525,15 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
     import transformers
     from tqdm import tqdm
 
-    ours, tokenizer, theirs = load(args.model) if loaded is None else loaded
+    ours, tokenizer, theirs = load(args.model, args.dtype) if loaded is None else loaded
     cfg = ours.config
+    if cfg.dtype != args.dtype:
+        raise ValueError(f"--dtype {args.dtype} is not the loaded model's {cfg.dtype}.")
     reqs, where = workload(args, tokenizer, cfg.vocab_size)
     bs = args.block_size
     max_len = bs * math.ceil(max(len(p) + n for p, n in reqs) / bs)
     print(f"paged-jax bench serve: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab "
-          f"{cfg.vocab_size}, f32; jax {jax.__version__} ({jax.default_backend()}), "
+          f"{cfg.vocab_size}, {cfg.dtype}; jax {jax.__version__} ({jax.default_backend()}), "
           f"transformers {transformers.__version__}, torch {torch.__version__}")
     print(f"workload: {where}; {sum(len(p) for p, _ in reqs)} prompt and "
           f"{sum(n for _, n in reqs)} output tokens")
@@ -530,7 +541,7 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
     flops = matmul_flops(cfg, [Request(p, n) for p, n in reqs])
     rate_, fastest = matmul_rate([(1024, 1024, 1024), (2048, 2048, 2048),
                                   (args.max_num_batched_tokens, cfg.hidden_size,
-                                   cfg.intermediate_size)])
+                                   cfg.intermediate_size)], dtype=args.dtype)
     # Each rate's requests, as every server and repeat at that rate meets them.
     at_rate = {rate: [Request(p, n, t) for (p, n), t in
                       zip(reqs, poisson_arrivals(len(reqs), rate, seed=args.seed), strict=True)]
@@ -538,8 +549,8 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
     bounds = {rate: throughput_bound(requests, flops, rate_)
               for rate, requests in at_rate.items()}
     print(f"compute floor: the workload's matmuls are at least {flops / 1e9:.0f} GFLOP (every "
-          f"token through every layer, no prefix reuse); the fastest f32 matmul here ran at "
-          f"{rate_ / 1e9:.1f} GFLOP/s ({fastest}), so no run is shorter than "
+          f"token through every layer, no prefix reuse); the fastest {args.dtype} matmul here "
+          f"ran at {rate_ / 1e9:.1f} GFLOP/s ({fastest}), so no run is shorter than "
           f"{flops / rate_:.2f} s; output throughput at most "
           + ", ".join(f"{b:.1f} tok/s at rate {r:g}" for r, b in bounds.items()))
     servers = {}
