@@ -168,8 +168,8 @@ def load_gguf(path, dtype: str | None = None) -> Llama:
         want = tuple(var.get_value().shape)
         if weight.shape != want:
             raise CheckpointError(
-                f"Tensor {name!r} has shape {weight.shape}; the model "
-                f"expects {want} for {config}."
+                f"Tensor {name!r} has shape {weight.shape}; the model expects {want} for "
+                f"{config}."
             )
         var.set_value(jnp.asarray(weight, dtype=config.jnp_dtype))
     return model

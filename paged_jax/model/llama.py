@@ -307,7 +307,7 @@ class Llama(nnx.Module):
         if not self.gathers_bits():
             return self.embed_tokens(tokens)
         if bits is None:
-            bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
+            bits = self.embedding_bits()
         elif bits.shape != table.shape or bits.dtype != jnp.uint16:
             raise ValueError(f"embed_bits must be the embedding's bits, uint16 "
                              f"{tuple(table.shape)}. Got {bits.dtype} {tuple(bits.shape)}.")
