@@ -22,7 +22,7 @@ def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, sm
     tokens = 8
     models = smollm2  # loaded once for the session: the benchmark, the reference, other tests
     assert bench_model.main(["--batch", "2", "--tokens", str(tokens), "--rounds", "1",
-                             "--show-tokens"], models=models) == 0
+                             "--prefill-tokens", "48", "--show-tokens"], models=models) == 0
     out = capsys.readouterr().out
     rows = [m for m in map(ROW.match, out.splitlines()) if m]
     assert len(rows) == 1, out
@@ -66,11 +66,32 @@ def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, sm
         assert ids["transformers", row] == ref, row
     assert int(agree) == 2
 
+    # The prefill line: its ratios from the times printed, every side's first new token the
+    # argmax of transformers' cache-free forward of the prompt.
+    prompt = bench_model.long_prompt(models.tokenizer, 48)
+    assert len(prompt) == 48 and prompt[:len(prompts[0])] == prompts[0]
+    pre = re.search(r"prefill of one 48-token prompt \(the chat prompts' ids repeated\), "
+                    r"fastest of 1: paged_jax ([\d.]+) ms, transformers ([\d.]+) ms "
+                    r"\(([\d.]+)x\); first new token the same on all sides", out)
+    assert pre, out
+    ours_ms, theirs_ms, x = map(float, pre.groups())
+    assert x == pytest.approx(theirs_ms / ours_ms, abs=0.01 + 0.1 * theirs_ms / ours_ms ** 2)
+    ablation = re.search(r"kv_head_attention=False\): ([\d.]+) ms; a pair of dots per KV head "
+                         r"([\d.]+)x that", out)
+    assert ablation, out
+    assert float(ablation[2]) == pytest.approx(float(ablation[1]) / ours_ms,
+                                               abs=0.01 + 0.1 * float(ablation[1]) / ours_ms ** 2)
+    with torch.inference_mode():
+        first = int(models.theirs(torch.tensor([prompt])).logits[0, -1].argmax())
+    got = bench_model.PrefillRunner(models.ours, prompt, 16).run()[0]
+    assert got == first
+
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--tokens", "12"], r"--tokens must be a positive multiple of --steps-per-dispatch \(8\)"
                          r"\. Got 12\."),
     (["--batch", "1", "9"], r"--batch sizes must be in 1\.\.8\. Got \[9\]\."),
+    (["--prefill-tokens", "-1"], r"--prefill-tokens must be >= 0\. Got -1\."),
     (["--checkpoint", "/nonexistent/model.gguf"], r"/nonexistent/model\.gguf does not exist"),
 ])
 def test_bench_decode_hands_a_real_model_to_bench_model_which_checks_its_flags(args, message):
@@ -97,8 +118,9 @@ def test_bench_decode_in_bf16_runs_both_sides_on_the_same_rounded_weights(capsys
     with pytest.raises(ValueError, match="--dtype float32 is not the loaded models' bfloat16"):
         bench_model.main(["--batch", "1"], models=models)
     assert bench_model.main(["--batch", "2", "--tokens", "8", "--rounds", "1",
-                             "--dtype", "bfloat16"], models=models) == 0
+                             "--dtype", "bfloat16", "--prefill-tokens", "0"], models=models) == 0
     out = capsys.readouterr().out
+    assert "prefill of one" not in out
     assert "bfloat16 on both sides" in out
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(ours)))  # tied: all read
     assert (f"reads all {weight_bytes / 1e6:.0f} MB of weights" in out

@@ -174,3 +174,61 @@ def test_llm_engine_greedy_matches_transformers_generate(case, tmp_path):
     for prompt, out in zip(prompts, outs, strict=True):
         theirs, logits = hf_greedy(hf, prompt, NUM_STEPS)
         check_greedy(np.asarray(out.outputs[0].token_ids), theirs, logits, f"{case} engine")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_mlp_activation_rounds_as_transformers_does(dtype):
+    """``MLP`` against transformers' ``LlamaMLP`` with identity projections, so that every
+    dot is exact and what is compared is the SwiGLU between them: PyTorch computes a 16-bit
+    SiLU in f32 and rounds once, and so must we, bit for bit."""
+    from paged_jax.model.config import ModelConfig
+    from paged_jax.model.llama import MLP
+
+    width = 64
+    cfg = ModelConfig(vocab_size=8, hidden_size=width, intermediate_size=width, num_layers=1,
+                      num_heads=1, num_kv_heads=1, head_dim=width, dtype=dtype)
+    ours = MLP(cfg, rngs=nnx.Rngs(0))
+    eye = np.eye(width, dtype=np.float32)
+    for proj in (ours.gate_proj, ours.up_proj, ours.down_proj):
+        proj.weight.set_value(jnp.asarray(eye, cfg.jnp_dtype))
+    theirs = transformers.models.llama.modeling_llama.LlamaMLP(transformers.LlamaConfig(
+        hidden_size=width, intermediate_size=width, hidden_act="silu", mlp_bias=False))
+    torch_dtype = getattr(torch, dtype)
+    with torch.no_grad():
+        for proj in (theirs.gate_proj, theirs.up_proj, theirs.down_proj):
+            proj.weight.copy_(torch.from_numpy(eye))
+    theirs = theirs.to(torch_dtype)
+    # Values across SiLU's curve, each exactly representable in bf16.
+    x = np.asarray(jnp.asarray(np.random.default_rng(0).normal(0, 3, (3, 5, width)),
+                               jnp.bfloat16), np.float32)
+    got = np.asarray(ours(jnp.asarray(x, cfg.jnp_dtype)), np.float32)
+    with torch.no_grad():
+        want = theirs(torch.from_numpy(x).to(torch_dtype)).float().numpy()
+    if dtype == "bfloat16":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_rms_norm_rounds_as_transformers_does(dtype):
+    """``RMSNorm`` against transformers' ``LlamaRMSNorm``: normalized in f32, rounded to the
+    input's dtype, then times the weight; bit for bit in bf16."""
+    from paged_jax.model.llama import RMSNorm
+
+    width, eps = 96, 1e-5
+    rng = np.random.default_rng(1)
+    bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)  # exact in both
+    weight, x = bf16(rng.normal(1, 0.3, width)), bf16(rng.normal(0, 2, (3, 7, width)))
+    jdtype, torch_dtype = jnp.dtype(dtype), getattr(torch, dtype)
+    ours = RMSNorm(width, epsilon=eps, dtype=jdtype, param_dtype=jdtype, rngs=nnx.Rngs(0))
+    ours.scale.set_value(jnp.asarray(weight, jdtype))
+    theirs = transformers.models.llama.modeling_llama.LlamaRMSNorm(width, eps=eps)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.from_numpy(weight))
+        want = theirs.to(torch_dtype)(torch.from_numpy(x).to(torch_dtype)).float().numpy()
+    got = np.asarray(ours(jnp.asarray(x, jdtype)), np.float32)
+    if dtype == "bfloat16":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

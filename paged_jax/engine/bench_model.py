@@ -32,6 +32,14 @@ round (compilation) per side; rounds alternate the two sides, so a burst of load
 hits both. Both sides' greedy tokens (first token from prefill, then the decoded ones) are
 compared row by row; f32 summation order may flip a late near-tie, so this is reported, not
 asserted.
+
+Then, unless ``--prefill-tokens 0``, one prompt of ``--prefill-tokens`` ids (256 by default:
+the chat prompts' ids repeated) is prefilled on each side, the clock running until the first
+new token is on the host: paged_jax's ``Steps.prefill`` into a fresh pool, transformers' one
+forward that fills a ``DynamicCache``, and paged_jax again with prefill attention through
+``jax.nn.dot_product_attention`` (``Llama(kv_head_attention=False)``), the baseline of its
+pair of dots per KV head (``paged_jax.model.llama.masked_attention``). Fastest of
+``--rounds`` interleaved rounds after a compiling one; the three first tokens are compared.
 """
 
 from __future__ import annotations
@@ -89,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="both sides' weights (the checkpoint's, rounded to it) and activations")
+    p.add_argument("--prefill-tokens", type=int, default=256,
+                   help="also time one prompt of this many tokens through each side's "
+                        "prefill (0: skip)")
     p.add_argument("--show-tokens", action="store_true",
                    help="print every row's greedy ids from both sides")
     return p
@@ -105,6 +116,8 @@ def check_args(args: argparse.Namespace) -> None:
     bad = [b for b in args.batch if not 1 <= b <= len(QUESTIONS)]
     if bad:
         raise SystemExit(f"--batch sizes must be in 1..{len(QUESTIONS)}. Got {bad}.")
+    if args.prefill_tokens < 0:
+        raise SystemExit(f"--prefill-tokens must be >= 0. Got {args.prefill_tokens}.")
     if args.rounds < 1 or args.block_size < 1:
         raise SystemExit(f"--rounds and --block-size must be >= 1. Got {args.rounds} and "
                          f"{args.block_size}.")
@@ -199,6 +212,71 @@ class PagedRunner:
         # unchanged: the last status covers the round.
         status.raise_if_failed()
         return np.concatenate(out, axis=1), seconds
+
+
+def long_prompt(tokenizer: Tokenizer, length: int) -> list[int]:
+    """``length`` ids: the chat prompts' ids one after another, repeated as needed."""
+    ids = [i for row in prompt_ids(tokenizer, len(QUESTIONS)) for i in row]
+    return (ids * math.ceil(length / len(ids)))[:length]
+
+
+class PrefillRunner:
+    """paged_jax's prefill of one prompt (``Steps.prefill``) into a fresh pool of its size;
+    ``run()`` returns ``(the first new token, seconds)``."""
+
+    def __init__(self, model: Llama, prompt: list[int], block_size: int):
+        self.steps = Steps(nnx.split(model)[0])
+        self.params = serving_params(model)
+        self.config = model.config
+        blocks = math.ceil(len(prompt) / block_size)
+        self.cache = CacheConfig(num_blocks=blocks, block_size=block_size, max_seqs=1,
+                                 max_blocks_per_seq=blocks)
+        self.tokens = jnp.asarray([prompt], jnp.int32)
+        self.seq_ids, self.lens = jnp.zeros(1, jnp.int32), jnp.array([len(prompt)], jnp.int32)
+
+    def run(self) -> tuple[int, float]:
+        kv = init_cache(self.config, self.cache)
+        state = init_state(self.cache)
+        jax.block_until_ready((kv, state))
+        start = time.perf_counter()
+        logits, kv, state, status = self.steps.prefill(self.params, kv, state, self.tokens,
+                                                       self.seq_ids, self.lens)
+        first = int(jnp.argmax(logits[0]))  # on the host: the clock stops here
+        seconds = time.perf_counter() - start
+        status.raise_if_failed()
+        return first, seconds
+
+
+def torch_prefill(model, prompt: list[int]) -> tuple[int, float]:
+    """transformers' side of ``PrefillRunner``: one forward of the prompt that fills a
+    ``DynamicCache``, under ``torch.inference_mode()``."""
+    import torch
+
+    tokens = torch.tensor([prompt])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model(input_ids=tokens, use_cache=True)
+        first = int(out.logits[0, -1].argmax())
+        return first, time.perf_counter() - start
+
+
+def time_prefill(ours: Llama, theirs, prompt: list[int], rounds: int,
+                 block_size: int) -> dict[str, tuple[int, float]]:
+    """Per side, the first new token and the fastest of ``rounds`` interleaved prefills of
+    ``prompt`` (after one untimed, compiling round): ``paged_jax``, ``transformers`` and
+    ``dot_product_attention`` (paged_jax with ``kv_head_attention=False``)."""
+    sides = {
+        "paged_jax": PrefillRunner(ours, prompt, block_size).run,
+        "transformers": lambda: torch_prefill(theirs, prompt),
+        "dot_product_attention": PrefillRunner(rebuilt(ours, kv_head_attention=False),
+                                               prompt, block_size).run,
+    }
+    best = {name: (side()[0], math.inf) for name, side in sides.items()}  # compile
+    for _ in range(rounds):
+        for name, side in sides.items():
+            first, seconds = side()
+            best[name] = (first, min(best[name][1], seconds))
+    return best
 
 
 class WeightRead:
@@ -429,6 +507,18 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
               f"{1e3 * bits:.2f} ms kept as uint16 bits, {1e3 * native:.2f} ms stored as "
               f"{cfg.dtype} ({native / bits:.0f}x; a decode step makes {cfg.num_layers} "
               f"such writes per token)")
+    if args.prefill_tokens:
+        prompt = long_prompt(tokenizer, args.prefill_tokens)
+        pre = time_prefill(ours, theirs, prompt, args.rounds, args.block_size)
+        ms = {name: 1e3 * seconds for name, (_, seconds) in pre.items()}
+        firsts = {first for first, _ in pre.values()}
+        print(f"prefill of one {len(prompt)}-token prompt (the chat prompts' ids repeated), "
+              f"fastest of {args.rounds}: paged_jax {ms['paged_jax']:.1f} ms, transformers "
+              f"{ms['transformers']:.1f} ms ({ms['transformers'] / ms['paged_jax']:.2f}x); "
+              f"first new token {'the same' if len(firsts) == 1 else 'differs'} on all sides")
+        print(f"paged_jax with jax.nn.dot_product_attention (kv_head_attention=False): "
+              f"{ms['dot_product_attention']:.1f} ms; a pair of dots per KV head "
+              f"{ms['dot_product_attention'] / ms['paged_jax']:.2f}x that")
     if args.show_tokens:
         for batch, _, _, ids in results:
             for name, rows in ids.items():

@@ -115,7 +115,8 @@ def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState,
         kv = write(kv, layer, slots, k, v)
         keys = kv.values(gather_pages(kv.k[layer], tables)).swapaxes(1, 2)  # [B, S, Hkv, D]
         values = kv.values(gather_pages(kv.v[layer], tables)).swapaxes(1, 2)
-        return masked_attention(q, keys, values, mask), kv
+        return masked_attention(q, keys, values, mask,
+                                per_kv_head=model.kv_head_attention), kv
 
     h, kv = model.hidden(tokens.astype(jnp.int32), positions, kv, attend, bits)  # [B, T, E]
     if all_logits:
