@@ -83,7 +83,7 @@ def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, sm
                                                abs=0.01 + 0.1 * float(ablation[1]) / ours_ms ** 2)
     with torch.inference_mode():
         first = int(models.theirs(torch.tensor([prompt])).logits[0, -1].argmax())
-    got = bench_model.PrefillRunner(models.ours, prompt, 16).run()[0]
+    got = bench_model.PagedRunner(models.ours, [prompt], 0, 1, 16, "auto").first_token()[0]
     assert got == first
 
 

@@ -170,7 +170,7 @@ class Models:
 class PagedRunner:
     """paged_jax's side: the split model and one pool sized for ``prompts`` plus ``tokens``
     steps; ``run()`` prefills (untimed) and decodes, returning ``(ids [B, tokens + 1],
-    decode seconds)``."""
+    decode seconds)``; ``first_token()`` times the prefill alone."""
 
     def __init__(self, model, prompts: list[list[int]], tokens: int, k: int, block_size: int,
                  impl: str, platform: str | None = None, embed_bits: bool = True):
@@ -192,13 +192,31 @@ class PagedRunner:
         self.padded = pad_prompts(prompts)
         self.lens = jnp.array([len(p) for p in prompts])
 
-    def run(self) -> tuple[np.ndarray, float]:
-        kv = init_cache(self.config, self.cache, platform=self.platform)
-        state = init_state(self.cache)
+    def pool(self):
+        """A fresh, empty pool: ``(kv, state)``."""
+        return init_cache(self.config, self.cache, platform=self.platform), init_state(self.cache)
+
+    def prefill(self, kv, state):
+        """The prompts prefilled into the pool ``(kv, state)``: ``(first new tokens [B]
+        int32, kv, state, status)``, the tokens still on the device."""
         logits, kv, state, status = self.steps.prefill(self.params, kv, state, self.padded,
                                                        jnp.arange(len(self.prompts)), self.lens)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv, state, status
+
+    def first_token(self) -> tuple[int, float]:
+        """``(row 0's first new token, seconds)``: ``prefill`` timed until that token is on
+        the host."""
+        pool = jax.block_until_ready(self.pool())
+        start = time.perf_counter()
+        nxt, _, _, status = self.prefill(*pool)
+        first = int(nxt[0])  # on the host: the clock stops here
+        seconds = time.perf_counter() - start
         status.raise_if_failed()
-        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return first, seconds
+
+    def run(self) -> tuple[np.ndarray, float]:
+        nxt, kv, state, status = self.prefill(*self.pool())
+        status.raise_if_failed()
         out = [np.asarray(jax.device_get(nxt))[:, None]]  # the first token, on the host
         start = time.perf_counter()
         for _ in range(self.tokens // self.k):
@@ -220,42 +238,16 @@ def long_prompt(tokenizer: Tokenizer, length: int) -> list[int]:
     return (ids * math.ceil(length / len(ids)))[:length]
 
 
-class PrefillRunner:
-    """paged_jax's prefill of one prompt (``Steps.prefill``) into a fresh pool of its size;
-    ``run()`` returns ``(the first new token, seconds)``."""
-
-    def __init__(self, model: Llama, prompt: list[int], block_size: int):
-        self.steps = Steps(nnx.split(model)[0])
-        self.params = serving_params(model)
-        self.config = model.config
-        blocks = math.ceil(len(prompt) / block_size)
-        self.cache = CacheConfig(num_blocks=blocks, block_size=block_size, max_seqs=1,
-                                 max_blocks_per_seq=blocks)
-        self.tokens = jnp.asarray([prompt], jnp.int32)
-        self.seq_ids, self.lens = jnp.zeros(1, jnp.int32), jnp.array([len(prompt)], jnp.int32)
-
-    def run(self) -> tuple[int, float]:
-        kv = init_cache(self.config, self.cache)
-        state = init_state(self.cache)
-        jax.block_until_ready((kv, state))
-        start = time.perf_counter()
-        logits, kv, state, status = self.steps.prefill(self.params, kv, state, self.tokens,
-                                                       self.seq_ids, self.lens)
-        first = int(jnp.argmax(logits[0]))  # on the host: the clock stops here
-        seconds = time.perf_counter() - start
-        status.raise_if_failed()
-        return first, seconds
-
-
 def torch_prefill(model, prompt: list[int]) -> tuple[int, float]:
-    """transformers' side of ``PrefillRunner``: one forward of the prompt that fills a
-    ``DynamicCache``, under ``torch.inference_mode()``."""
+    """transformers' side of ``PagedRunner.first_token``: one forward of the prompt that
+    fills a ``DynamicCache``, under ``torch.inference_mode()``, with the logits of its last
+    position only (``logits_to_keep=1``, as ``generate()`` asks for)."""
     import torch
 
     tokens = torch.tensor([prompt])
     with torch.inference_mode():
         start = time.perf_counter()
-        out = model(input_ids=tokens, use_cache=True)
+        out = model(input_ids=tokens, use_cache=True, logits_to_keep=1)
         first = int(out.logits[0, -1].argmax())
         return first, time.perf_counter() - start
 
@@ -265,11 +257,13 @@ def time_prefill(ours: Llama, theirs, prompt: list[int], rounds: int,
     """Per side, the first new token and the fastest of ``rounds`` interleaved prefills of
     ``prompt`` (after one untimed, compiling round): ``paged_jax``, ``transformers`` and
     ``dot_product_attention`` (paged_jax with ``kv_head_attention=False``)."""
+    def paged(model):  # a pool of the prompt's size; no decode steps
+        return PagedRunner(model, [prompt], 0, 1, block_size, "auto").first_token
+
     sides = {
-        "paged_jax": PrefillRunner(ours, prompt, block_size).run,
+        "paged_jax": paged(ours),
         "transformers": lambda: torch_prefill(theirs, prompt),
-        "dot_product_attention": PrefillRunner(rebuilt(ours, kv_head_attention=False),
-                                               prompt, block_size).run,
+        "dot_product_attention": paged(rebuilt(ours, kv_head_attention=False)),
     }
     best = {name: (side()[0], math.inf) for name, side in sides.items()}  # compile
     for _ in range(rounds):
