@@ -15,6 +15,8 @@ Tensor parallel (Megatron-style), ``PARAM_SPECS``:
 * o and down weights ``[E, H * D]`` / ``[E, F]`` are row-parallel, ``P(None, "tp")``: each
   shard's partial product is summed by one all-reduce (their biases are replicated, added
   once after it);
+* a model that holds its weights ``[in, out]`` (``Linear``'s ``kernel``; ``Llama(in_out=
+  True)``, f32 on CPU by default) has the same splits with the axes swapped;
 * embeddings, norms and the lm_head are replicated.
 
 The K/V buffers ``[layers, kv_heads, blocks, block_size, head_dim]`` are ``CACHE_SPEC =
@@ -44,10 +46,14 @@ AXES = (DP, TP)
 
 CACHE_SPEC = P(None, TP)  # [layers, kv_heads / tp, blocks, block_size, head_dim] per shard
 # (module, leaf) -> spec; every other parameter is replicated.
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW = ("o_proj", "down_proj")
 PARAM_SPECS = {
-    **{(m, "weight"): P(TP, None) for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")},
-    **{(m, "bias"): P(TP) for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")},
-    **{(m, "weight"): P(None, TP) for m in ("o_proj", "down_proj")},
+    **{(m, "weight"): P(TP, None) for m in _COLUMN},  # [out, in]
+    **{(m, "kernel"): P(None, TP) for m in _COLUMN},  # [in, out]
+    **{(m, "bias"): P(TP) for m in _COLUMN},
+    **{(m, "weight"): P(None, TP) for m in _ROW},
+    **{(m, "kernel"): P(TP, None) for m in _ROW},
 }
 
 

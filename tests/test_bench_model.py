@@ -4,14 +4,23 @@ independent reference for the paged_jax side and for the benchmark's DynamicCach
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import re
 
 import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
 import pytest
 import torch
 from flax import nnx
 
+from paged_jax.allocator import CacheConfig, init_state
 from paged_jax.engine import bench, bench_model
+from paged_jax.engine.steps import Steps, serving_params
+from paged_jax.kvcache import init_cache
+from paged_jax.model.llama import init_model
+from tests.model_helpers import TINY
 
 ROW = re.compile(r"^\s*(\d+) \|\s*([\d.]+) \|\s*([\d.]+) \|\s*([\d.]+)x\s+(met|not met) \| "
                  r"(\d+)/(\d+) of (\d+) tokens")
@@ -47,6 +56,25 @@ def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, sm
     top, x, pct = float(floor[1]), float(floor[2]), int(floor[3])
     assert x == pytest.approx(top / theirs, abs=0.01 + 0.05 * top / theirs ** 2)
     assert pct == pytest.approx(100 * ours / top, abs=1.5)
+    # The matmul floor: 7 projections a layer and the vocabulary projection; its batch line's
+    # figures agree with each other and with the table's.
+    assert f"matmul floor: a step's {7 * c.num_layers + 1} matmuls alone" in out
+    mm = re.search(r"batch 2: ([\d.]+) ms, at most ([\d.]+) tok/s, ([\d.]+)x transformers; "
+                   r"paged_jax runs at (\d+)% of it", out)
+    assert mm, out
+    ms, top, x, pct = float(mm[1]), float(mm[2]), float(mm[3]), int(mm[4])
+    assert top == pytest.approx(2e3 / ms, rel=0.01 + 0.05 / ms)
+    assert x == pytest.approx(top / theirs, abs=0.01 + 0.05 * top / theirs ** 2)
+    assert pct == pytest.approx(100 * ours / top, abs=1.5)
+    # f32 on CPU holds the weights [in, out]; the run times them [out, in] too, with the
+    # same tokens.
+    assert models.ours.in_out == (jax.default_backend() == "cpu")
+    if models.ours.in_out:
+        held = re.search(r"batch 2: ([\d.]+) tok/s; \[in, out\] ([\d.]+)x that \((\d)/2 rows",
+                         out)
+        assert held and float(held[1]) > 0, out
+        assert float(held[2]) == pytest.approx(ours / float(held[1]), rel=0.02)
+        assert held[3] == "2", out
     ids = {(name, row): list(map(int, line.split(":")[1].split()))
            for line in out.splitlines()
            for name in ("paged_jax", "transformers") for row in (0, 1)
@@ -140,3 +168,44 @@ def test_bench_decode_in_bf16_runs_both_sides_on_the_same_rounded_weights(capsys
     write = re.search(r"256 MiB bfloat16 pool: ([\d.]+) ms kept as uint16 bits, ([\d.]+) ms "
                       r"stored as bfloat16", out)
     assert write and float(write[1]) > 0 and float(write[2]) > 0, out
+
+
+def batch_free_dots(jaxpr: jex.Jaxpr, found: collections.Counter) -> collections.Counter:
+    """Every ``dot_general`` of ``jaxpr`` and the jaxprs inside it (jit, scan, cond, ...)
+    without batch dimensions (the projections; attention's dots batch over rows or heads),
+    counted by operand shapes and dtypes, contracted axes and result type."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+            lhs, rhs = (v.aval for v in eqn.invars)
+            if not lb:
+                found[(lhs.shape, str(lhs.dtype), rhs.shape, str(rhs.dtype), tuple(lc),
+                       tuple(rc), str(eqn.params["preferred_element_type"]))] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, jex.ClosedJaxpr):
+                    batch_free_dots(sub.jaxpr, found)
+                elif isinstance(sub, jex.Jaxpr):
+                    batch_free_dots(sub, found)
+    return found
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_matmul_floor_makes_exactly_the_decode_steps_projections(dtype, batch):
+    """``step_matmuls`` (what ``MatmulFloor`` times) makes the same matmuls as the
+    ``decode_step`` it bounds: the same operand shapes, layouts and dtypes, as many of each
+    (a bf16 row padded to two, the weight on the left, included). The reference is the
+    decode step's own jaxpr."""
+    cfg = dataclasses.replace(TINY, dtype=dtype)
+    model = init_model(cfg)
+    graphdef, state = nnx.split(model)
+    cache = CacheConfig(num_blocks=8, block_size=16, max_seqs=batch, max_blocks_per_seq=2)
+    step = Steps(graphdef).decode_step_jit.trace(
+        serving_params(model), init_cache(cfg, cache), init_state(cache),
+        jnp.zeros((batch,), jnp.int32), impl="xla", interpret=False)
+    want = batch_free_dots(step.jaxpr.jaxpr, collections.Counter())
+    assert sum(want.values()) == 7 * cfg.num_layers + 1
+    x = jnp.zeros((batch, 1, cfg.hidden_size), cfg.jnp_dtype)
+    floor = jax.make_jaxpr(lambda s, x: bench_model.step_matmuls(nnx.merge(graphdef, s), x))
+    assert batch_free_dots(floor(state, x).jaxpr, collections.Counter()) == want

@@ -138,7 +138,7 @@ def test_matmul_flops_against_the_models_own_matrices():
     # Every projection weight of every layer, counted from the built model's own arrays.
     paths = nnx.to_flat_state(nnx.state(model))
     per_token = sum(v.get_value().size for path, v in paths
-                    if "layers" in map(str, path) and path[-1] == "weight")
+                    if "layers" in map(str, path) and path[-1] in ("weight", "kernel"))
     assert per_token > 0
     reqs = [Request((1, 2, 3), 2), Request((4, 5, 6, 7, 8), 4)]
     # 8 prompt tokens and 6 generated, of which each request's last (2) is never fed back.

@@ -9,7 +9,15 @@ import pytest
 from flax import nnx
 
 from paged_jax.model import init_model
-from paged_jax.model.llama import WEIGHT_LEFT_MAX_ROWS, dense_dot_general, project
+from paged_jax.model.checkpoint import hf_parameter_map
+from paged_jax.model.llama import (
+    WEIGHT_LEFT_MAX_ROWS,
+    Linear,
+    Llama,
+    dense_dot_general,
+    in_out_default,
+    project,
+)
 from tests.model_helpers import TINY
 
 
@@ -81,6 +89,68 @@ def test_projection_is_x_times_weight_transposed_either_way_round(dtype, rows):
     assert dot_lhs_shapes(plain, x, w) == [x.shape]
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("rows", [(1,), (2, 3), (8,)], ids=str)
+def test_projection_of_an_in_out_weight_is_x_times_weight(dtype, rows):
+    """``project(x, kernel [in, out], in_out=True)`` against float64 ``x @ kernel``: one dot
+    with the activations on the left, whatever the dtype and rows."""
+    rng = np.random.default_rng(sum(rows))
+    x = jnp.asarray(rng.normal(size=(*rows, 96)), dtype)
+    kernel = jnp.asarray(rng.normal(size=(96, 40)) * 0.1, dtype)
+    got = jax.jit(lambda x, k: project(x, k, preferred_element_type=jnp.float32,
+                                       in_out=True))(x, kernel)
+    assert got.shape == (*rows, 40) and got.dtype == jnp.float32
+    want = np.asarray(x, np.float64) @ np.asarray(kernel, np.float64)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())
+    padded = (2, 96) if dtype == jnp.bfloat16 and np.prod(rows) == 1 else x.shape
+    assert dot_lhs_shapes(lambda x, k: project(x, k, in_out=True), x, kernel) == [padded]
+
+
+def test_in_out_is_the_default_for_f32_on_cpu_only():
+    assert in_out_default(jnp.float32, "cpu")
+    assert not in_out_default(jnp.bfloat16, "cpu") and not in_out_default(jnp.float16, "cpu")
+    assert not in_out_default(jnp.float32, "gpu") and not in_out_default(jnp.float32, "tpu")
+    assert init_model(TINY).in_out == (jax.default_backend() == "cpu")
+
+
+def test_linear_holds_its_weight_either_way_and_shows_it_out_by_in():
+    """An ``in_out`` ``Linear`` holds ``kernel [in, out]``; ``checkpoint_weight()`` reads and
+    writes it as ``[out, in]``, and the layer computes ``x @ weight.T`` either way."""
+    kw = dict(use_bias=True, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    a, b = Linear(6, 4, **kw, in_out=False), Linear(6, 4, **kw, in_out=True)
+    assert a.weight.get_value().shape == (4, 6) and b.kernel.get_value().shape == (6, 4)
+    assert not hasattr(a, "kernel") and not hasattr(b, "weight")
+    w = np.arange(24, dtype=np.float32).reshape(4, 6) / 24  # [out, in]
+    for lin in (a, b):
+        lin.checkpoint_weight().set_value(w)
+        lin.bias.set_value(jnp.arange(4.0))
+        np.testing.assert_array_equal(np.asarray(lin.checkpoint_weight().get_value()), w)
+    np.testing.assert_array_equal(np.asarray(b.kernel.get_value()), w.T)
+    x = np.random.default_rng(0).normal(size=(3, 6)).astype(np.float32)
+    want = x.astype(np.float64) @ w.T.astype(np.float64) + np.arange(4.0)
+    for lin in (a, b):
+        np.testing.assert_allclose(np.asarray(lin(jnp.asarray(x)), np.float64), want,
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "lm_head"])
+def test_one_seed_one_model_in_either_layout(tied):
+    """The same seed draws the same weights whichever the layout (seen through
+    ``hf_parameter_map``, the checkpoints' names and shapes), and the two forward passes
+    agree to f32 summation order."""
+    config = TINY.replace(tie_word_embeddings=tied)
+    models = [Llama(config, rngs=nnx.Rngs(3), in_out=flag) for flag in (False, True)]
+    params = [hf_parameter_map(m) for m in models]
+    assert params[0].keys() == params[1].keys()
+    for name in params[0]:
+        np.testing.assert_array_equal(np.asarray(params[0][name].get_value()),
+                                      np.asarray(params[1][name].get_value()), err_msg=name)
+    tokens = jnp.asarray(np.arange(12).reshape(2, 6) * 37 % 256, jnp.int32)
+    out, ref = (np.asarray(m(tokens)[0], np.float64) for m in models)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
 def test_one_row_equals_that_row_of_a_two_row_product():
     """On CPU a single row goes through a two-row dot; its result is that dot's row."""
     rng = np.random.default_rng(7)
@@ -134,7 +204,9 @@ def test_cpu_16bit_paths_change_speed_not_values():
     tokens = jnp.asarray(np.arange(12).reshape(2, 6) * 37 % 256, jnp.int32)
     np.testing.assert_array_equal(np.asarray(fast.embed(tokens), np.float32),
                                   np.asarray(fast.embed_tokens(tokens), np.float32))
-    f32 = init_model(TINY.replace(tie_word_embeddings=True), seed=0)
+    # [out, in] weights, the state's structure of the bf16 model's (f32 on CPU holds them
+    # [in, out] by default).
+    f32 = Llama(TINY.replace(tie_word_embeddings=True), rngs=nnx.Rngs(0), in_out=False)
     nnx.update(f32, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(fast)))
     seq = np.arange(1, 20) * 7 % 256
     ref = dense_logits(*nnx.split(f32), seq)

@@ -190,7 +190,7 @@ def test_mlp_activation_rounds_as_transformers_does(dtype):
     ours = MLP(cfg, rngs=nnx.Rngs(0))
     eye = np.eye(width, dtype=np.float32)
     for proj in (ours.gate_proj, ours.up_proj, ours.down_proj):
-        proj.weight.set_value(jnp.asarray(eye, cfg.jnp_dtype))
+        proj.checkpoint_weight().set_value(jnp.asarray(eye, cfg.jnp_dtype))
     theirs = transformers.models.llama.modeling_llama.LlamaMLP(transformers.LlamaConfig(
         hidden_size=width, intermediate_size=width, hidden_act="silu", mlp_bias=False))
     torch_dtype = getattr(torch, dtype)

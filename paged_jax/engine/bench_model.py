@@ -14,6 +14,10 @@ embedding's bits made in every dispatch instead of once (``steps.serving_params`
 pool's write costs a pass over the whole pool, so the run also times one layer's K/V write
 into the engine's default 256 MiB pool, both ways.
 
+In f32 on CPU, where the model holds its projections' weights ``[in, out]``
+(``Llama(in_out=...)``), it also times paged_jax with them ``[out, in]``, the checkpoints'
+layout.
+
 What is timed, on both sides, is decode only. Each round starts afresh: the prompts are
 prefilled (untimed), giving every row its first new token on the host; then the clock runs
 over ``--tokens`` decode steps per row, each consuming the previous token and producing the
@@ -32,6 +36,11 @@ round (compilation) per side; rounds alternate the two sides, so a burst of load
 hits both. Both sides' greedy tokens (first token from prefill, then the decoded ones) are
 compared row by row; f32 summation order may flip a late near-tie, so this is reported, not
 asserted.
+
+Two floors are timed in the same rounds. The memory floor (``WeightRead``): a step reads
+every weight at least once. The matmul floor (``MatmulFloor``): a step makes every layer's
+seven projections and the vocabulary projection, timed alone as paged_jax computes them; what
+it allows is the most any step can reach while XLA:CPU runs those matmuls as it does here.
 
 Then, unless ``--prefill-tokens 0``, one prompt of ``--prefill-tokens`` ids (256 by default:
 the chat prompts' ids repeated) is prefilled on each side, the clock running until the first
@@ -62,6 +71,7 @@ from paged_jax.allocator import CacheConfig, init_state
 from paged_jax.engine.steps import Steps, pad_prompts, serving_params
 from paged_jax.kvcache import init_cache, plan_blocks, write
 from paged_jax.model import load_checkpoint
+from paged_jax.model.checkpoint import hf_parameter_map
 from paged_jax.model.gguf import load_gguf, open_gguf
 from paged_jax.model.llama import Llama
 from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
@@ -308,6 +318,55 @@ class WeightRead:
         return time.perf_counter() - start
 
 
+def step_matmuls(model: Llama, x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    """A decode step's matmuls and nothing else: for ``x`` ``[B, 1, E]``, every layer's seven
+    projections through the model's own ``Linear`` modules (so in the layouts, and with the
+    weight on the left where, ``project`` puts it), then the vocabulary projection
+    (``Llama.logits``). Each layer's input is the last one's output, as in a step, joined by
+    adds alone: no norm, RoPE, attention or SiLU. Returns ``(logits [B, 1, V] f32, [k, v]
+    of every layer)``; the values mean nothing, the time is the point (``MatmulFloor``)."""
+    kv = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        kv += [attn.k_proj(x), attn.v_proj(x)]
+        h = x + attn.o_proj(attn.q_proj(x))
+        x = h + mlp.down_proj(mlp.gate_proj(h) + mlp.up_proj(h))
+    return model.logits(x), kv
+
+
+class MatmulFloor:
+    """The matmul floor of a decode step of ``batch`` rows: ``step_matmuls`` on the model's
+    weights, ``num_steps`` of them in one jitted ``lax.scan``, as ``decode_steps`` runs its K
+    steps (work that depends on the weights alone, such as a conversion of them, is made
+    once per dispatch in both). Whatever else a step does, it makes these matmuls, so as long
+    as they run as XLA:CPU runs them here, no step of ``batch`` rows beats ``batch /
+    seconds`` tokens/s. ``run()`` times one dispatch that follows another, untimed (as
+    ``WeightRead``), and returns seconds per step."""
+
+    def __init__(self, model: Llama, batch: int, num_steps: int):
+        graphdef, state = nnx.split(model)
+        self.state, self.num_steps = state, num_steps
+        hidden = model.config.hidden_size
+        self.x = jax.random.normal(jax.random.key(0), (batch, 1, hidden),
+                                   model.config.jnp_dtype)
+
+        def steps(state, x):  # x [B, 1, E] -> (x, per step: (logits, [k, v] of every layer))
+            def body(x, _):
+                logits, kv = step_matmuls(nnx.merge(graphdef, state), x)
+                # The next step's input depends on this step's output, as in decoding.
+                return x + logits[..., :hidden].astype(x.dtype) * 1e-3, (logits, kv)
+
+            return jax.lax.scan(body, x, length=num_steps)
+
+        self.fn = jax.jit(steps)
+
+    def run(self) -> float:
+        jax.block_until_ready(self.fn(self.state, self.x))
+        start = time.perf_counter()
+        jax.block_until_ready(self.fn(self.state, self.x))
+        return (time.perf_counter() - start) / self.num_steps
+
+
 class TorchRunner:
     """transformers' side: the prompts left-padded into one batch; ``run()`` prefills
     (untimed) into a ``DynamicCache`` and decodes one token per forward, returning ``(ids
@@ -356,10 +415,13 @@ def rebuilt(model: Llama, **options) -> Llama:
     """``model``'s parameters in a ``Llama`` built with ``options``. ``cpu_16bit_paths=False``
     gives XLA's plain bf16 ops (a bf16 dot is computed in a generic f32 loop, a gather
     converts the whole table) where ``model`` takes the paths XLA:CPU runs fast;
-    ``weight_left_rows=0`` keeps every projection's weight on the right. The output
-    projection's f32 logits are kept, so all give the same values."""
+    ``weight_left_rows=0`` keeps every projection's weight on the right; ``in_out`` the
+    other layout of the weights (a transposed copy of each). The output projection's f32
+    logits are kept, so all give the same values."""
     other = nnx.eval_shape(lambda: Llama(model.config, rngs=nnx.Rngs(0), **options))
-    nnx.update(other, nnx.state(model))
+    theirs = hf_parameter_map(model)  # every parameter, in the checkpoints' layout
+    for name, param in hf_parameter_map(other).items():
+        param.set_value(theirs[name].get_value())
     return other
 
 
@@ -432,6 +494,7 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
           f"prompts (EOS ignored); tokens/s = batch x {args.tokens} / fastest of "
           f"{args.rounds} interleaved rounds, after a warm-up round per side", flush=True)
     results = []
+    matmul_floor = {}  # batch -> seconds
     floor = WeightRead(ours)
     floor.run()  # compile
     floor_s = []
@@ -450,17 +513,26 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
                                              platform="gpu")
                 sides["weight_right"] = PagedRunner(rebuilt(ours, weight_left_rows=0), *run)
                 sides["bits_per_dispatch"] = PagedRunner(ours, *run, embed_bits=False)
+            if ours.in_out:
+                sides["out_in"] = PagedRunner(rebuilt(ours, in_out=False), prompts, args.tokens,
+                                              args.steps_per_dispatch, args.block_size,
+                                              args.impl)
             ids = {name: side.run()[0] for name, side in sides.items()}  # warm-up, compile
+            matmuls = MatmulFloor(ours, batch, args.steps_per_dispatch)
+            matmuls.run()  # compile
             bar.update()
             seconds = {name: [] for name in sides}
+            matmul_s = []
             for _ in range(args.rounds):
                 for name, side in sides.items():
                     seconds[name].append(side.run()[1])
                 floor_s.append(floor.run())
+                matmul_s.append(matmuls.run())
                 bar.set_postfix(batch=batch)
                 bar.update()
             rates = {name: batch * args.tokens / min(s) for name, s in seconds.items()}
             results.append((batch, rates, agreement(ids["paged_jax"], ids["transformers"]), ids))
+            matmul_floor[batch] = min(matmul_s)
     header = (f"{'batch':>5} | {'paged_jax tok/s':>15} | {'transformers tok/s':>18} | "
               f"{'ratio':>6} (goal >= {GOAL}x) | greedy rows agreeing")
     print(header)
@@ -484,6 +556,19 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
         top = batch / read
         print(f"  batch {batch}: at most {top:.1f} tok/s, {top / rates['transformers']:.2f}x "
               f"transformers; paged_jax runs at {rates['paged_jax'] / top:.0%} of it")
+    print(f"matmul floor: a step's {7 * cfg.num_layers + 1} matmuls alone (every layer's seven "
+          f"projections and the vocabulary projection, as paged_jax computes them, joined by "
+          f"adds, {args.steps_per_dispatch} steps per dispatch as decode_steps runs them; fastest "
+          f"of {args.rounds}), so a step of B rows is at most B / that:")
+    for batch, rates, _, _ in results:
+        top = batch / matmul_floor[batch]
+        print(f"  batch {batch}: {1e3 * matmul_floor[batch]:.1f} ms, at most {top:.1f} tok/s, "
+              f"{top / rates['transformers']:.2f}x transformers; paged_jax runs at "
+              f"{rates['paged_jax'] / top:.0%} of it")
+    if ours.in_out:
+        print_ablation(results, "out_in", "[in, out]",
+                       "paged_jax with every projection's weight held [out, in] (in_out=False; "
+                       "[in, out], the default for f32 on CPU):")
     if ablate:
         print_ablation(results, "plain", "with them",
                        f"paged_jax without its CPU measures for {cfg.dtype} (the pool stored as "

@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from paged_jax.model.config import ModelConfig
-from paged_jax.model.llama import Linear, Llama, abstract_model
+from paged_jax.model.llama import Linear, Llama, TransposedParam, abstract_model
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some older exports contain; they are recomputed, never loaded.
@@ -29,18 +29,19 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model: names the tensor and the shapes."""
 
 
-def hf_parameter_map(model: Llama) -> dict[str, nnx.Variable]:
-    """Hugging Face tensor name -> our parameter, of the same shape (``Linear`` keeps
-    PyTorch's ``[out, in]``)."""
-    out: dict[str, nnx.Variable] = {
+def hf_parameter_map(model: Llama) -> dict[str, nnx.Variable | TransposedParam]:
+    """Hugging Face tensor name -> our parameter, seen in the same shape (a ``Linear``'s
+    ``checkpoint_weight()``: PyTorch's ``[out, in]``, whatever layout the model holds).
+    Each value has ``get_value()`` and ``set_value()``."""
+    out: dict[str, nnx.Variable | TransposedParam] = {
         "model.embed_tokens.weight": model.embed_tokens.embedding,
         "model.norm.weight": model.norm.scale,
     }
     if model.lm_head is not None:
-        out["lm_head.weight"] = model.lm_head.weight
+        out["lm_head.weight"] = model.lm_head.checkpoint_weight()
 
     def linear(prefix: str, lin: Linear):
-        out[prefix + ".weight"] = lin.weight
+        out[prefix + ".weight"] = lin.checkpoint_weight()
         if lin.bias is not None:
             out[prefix + ".bias"] = lin.bias
 
@@ -141,7 +142,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None) -> Llama:
     return model
 
 
-def _expected_shape(var: nnx.Variable) -> tuple[int, ...]:
+def _expected_shape(var: nnx.Variable | TransposedParam) -> tuple[int, ...]:
     return tuple(var.get_value().shape)
 
 

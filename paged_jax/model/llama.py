@@ -32,6 +32,15 @@ AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array
 WEIGHT_LEFT_MAX_ROWS = 64
 
 
+def in_out_default(dtype, platform: str | None = None) -> bool:
+    """Whether a ``Llama`` stores its projections' weights ``[in, out]`` by default: f32 on
+    XLA:CPU (``platform``, default JAX's default backend), whose matmuls of a few rows run
+    faster with the weight in that layout (``paged-jax bench decode`` measures it). Anywhere
+    else the checkpoints' ``[out, in]``."""
+    return (jnp.dtype(dtype) == jnp.float32
+            and (platform or jax.default_backend()) == "cpu")
+
+
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     """[head_dim // 2] float32 inverse frequencies, computed as transformers does (in f32)."""
     d = config.head_dim
@@ -180,20 +189,23 @@ def dense_dot_general(
 
 def project(
     x: jax.Array,  # [..., in]
-    weight: jax.Array,  # [out, in], as PyTorch and GGUF store it
+    weight: jax.Array,  # [out, in], as PyTorch and GGUF store it; [in, out] with in_out
     *,
     dot_general=dense_dot_general,
     weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS,
     preferred_element_type=None,
+    in_out: bool = False,
 ) -> jax.Array:  # [..., out]
-    """``x @ weight.T``. A 16-bit weight on CPU times at most ``weight_left_rows`` rows is
-    computed the other way round, ``weight @ rows.T``, and the ``[out, rows]`` result
-    transposed back: that is how XLA:CPU's bf16 matmul streams the weight fastest, each
-    output row reading one contiguous row of ``weight``. With the activations on the left
-    it runs at about two thirds of that speed (``paged-jax bench decode --dtype bfloat16``
-    measures the difference it makes to decoding); from about a hundred rows on the
-    activations on the left are the faster, and in f32 the two run about even."""
+    """``x @ weight.T`` (``x @ weight`` with ``in_out``). A 16-bit ``[out, in]`` weight on
+    CPU times at most ``weight_left_rows`` rows is computed the other way round, ``weight @
+    rows.T``, and the ``[out, rows]`` result transposed back: XLA:CPU's bf16 matmul of a few
+    rows streams the weight faster that way, each output row reading one contiguous row of
+    ``weight`` (``paged-jax bench decode --dtype bfloat16`` measures the difference it makes
+    to decoding, which depends on the CPU); from about a hundred rows on the activations on
+    the left are the faster."""
     kw = dict(preferred_element_type=preferred_element_type)
+    if in_out:
+        return dot_general(x, weight, (((x.ndim - 1,), (0,)), ((), ())), **kw)
     rows = math.prod(x.shape[:-1])
     if not (cpu_16bit(weight.dtype) and rows <= weight_left_rows):
         return dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), **kw)
@@ -201,34 +213,68 @@ def project(
     return y.T.reshape(*x.shape[:-1], weight.shape[0])
 
 
+class TransposedParam:
+    """A ``[in, out]`` parameter seen as the ``[out, in]`` tensor a checkpoint stores:
+    ``get_value()`` and ``set_value()`` transpose, so loaders and tests address every
+    projection's weight in the checkpoints' layout (``Linear.checkpoint_weight``)."""
+
+    def __init__(self, param: nnx.Param):
+        self.param = param
+
+    def get_value(self) -> jax.Array | jax.ShapeDtypeStruct:  # [out, in]
+        value = self.param.get_value()
+        if isinstance(value, jax.ShapeDtypeStruct):  # an abstract model (``nnx.eval_shape``)
+            return jax.ShapeDtypeStruct(value.shape[::-1], value.dtype)
+        return value.T
+
+    def set_value(self, value) -> None:  # value [out, in]
+        self.param.set_value(jnp.asarray(value).T)
+
+
 class Linear(nnx.Module):
     """``y = x @ weight.T + bias`` with ``weight`` ``[out, in]``, the layout Hugging Face and
-    GGUF checkpoints store, so that loading copies no transpose; computed by ``project``."""
+    GGUF checkpoints store, so that loading copies no transpose; computed by ``project``.
+    With ``in_out`` the weight is held ``[in, out]`` instead, as ``kernel`` (``y = x @
+    kernel + bias``), the layout in which XLA:CPU multiplies a few rows by an f32 weight
+    fastest (``in_out_default``). ``checkpoint_weight()`` is the weight in the checkpoints'
+    layout either way."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
                  rngs: nnx.Rngs, dot_general=dense_dot_general,
-                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS, preferred_element_type=None):
+                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS, preferred_element_type=None,
+                 in_out: bool = False):
+        self.in_out = in_out
         init = nnx.initializers.lecun_normal(in_axis=1, out_axis=0)
-        self.weight = nnx.Param(init(rngs.params(), (out_features, in_features), dtype))
+        # Drawn [out, in] either way: one seed, one model, whichever the layout.
+        weight = init(rngs.params(), (out_features, in_features), dtype)
+        if in_out:
+            self.kernel = nnx.Param(weight.T)
+        else:
+            self.weight = nnx.Param(weight)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
         self.dot_general, self.weight_left_rows = dot_general, weight_left_rows
         self.preferred_element_type = preferred_element_type
 
+    def checkpoint_weight(self) -> nnx.Param | TransposedParam:
+        """The weight as checkpoints store it, ``[out, in]``, for ``get_value()`` and
+        ``set_value()``: the parameter itself, or a ``TransposedParam`` over ``kernel``."""
+        return TransposedParam(self.kernel) if self.in_out else self.weight
+
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-        weight = self.weight[...]
+        weight = (self.kernel if self.in_out else self.weight)[...]
         y = project(x.astype(weight.dtype), weight, dot_general=self.dot_general,
                     weight_left_rows=self.weight_left_rows,
-                    preferred_element_type=self.preferred_element_type)
+                    preferred_element_type=self.preferred_element_type, in_out=self.in_out)
         return y if self.bias is None else y + self.bias[...]
 
 
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dot_general=dense_dot_general,
-                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS):
+                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS, in_out: bool = False):
         self.config = config
         e, d = config.hidden_size, config.head_dim
         kw = dict(dtype=config.jnp_dtype, dot_general=dot_general,
-                  weight_left_rows=weight_left_rows, rngs=rngs)
+                  weight_left_rows=weight_left_rows, rngs=rngs, in_out=in_out)
         self.q_proj = Linear(e, config.num_heads * d, use_bias=config.qkv_bias, **kw)
         self.k_proj = Linear(e, config.num_kv_heads * d, use_bias=config.qkv_bias, **kw)
         self.v_proj = Linear(e, config.num_kv_heads * d, use_bias=config.qkv_bias, **kw)
@@ -247,10 +293,10 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dot_general=dense_dot_general,
-                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS):
+                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS, in_out: bool = False):
         e, f = config.hidden_size, config.intermediate_size
         kw = dict(use_bias=config.mlp_bias, dtype=config.jnp_dtype, dot_general=dot_general,
-                  weight_left_rows=weight_left_rows, rngs=rngs)
+                  weight_left_rows=weight_left_rows, rngs=rngs, in_out=in_out)
         self.gate_proj = Linear(e, f, **kw)
         self.up_proj = Linear(e, f, **kw)
         self.down_proj = Linear(f, e, **kw)
@@ -287,8 +333,9 @@ def _rms_norm(config: ModelConfig, rngs: nnx.Rngs) -> RMSNorm:
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dot_general=dense_dot_general,
-                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS):
-        kw = dict(rngs=rngs, dot_general=dot_general, weight_left_rows=weight_left_rows)
+                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS, in_out: bool = False):
+        kw = dict(rngs=rngs, dot_general=dot_general, weight_left_rows=weight_left_rows,
+                  in_out=in_out)
         self.input_layernorm = _rms_norm(config, rngs)
         self.self_attn = Attention(config, **kw)
         self.post_attention_layernorm = _rms_norm(config, rngs)
@@ -311,27 +358,33 @@ class Llama(nnx.Module):
     values, for benchmarks to measure the difference. ``weight_left_rows=0`` turns off the
     weight on the left alone. The output projection keeps ``dense_dot_general`` either way:
     its unrounded f32 logits are part of the values. ``kv_head_attention``: the dense and
-    prefill attention's ``masked_attention(per_kv_head=...)``, on every backend."""
+    prefill attention's ``masked_attention(per_kv_head=...)``, on every backend.
+    ``in_out``: every ``Linear`` holds its weight ``[in, out]`` (as ``kernel``) rather than
+    ``[out, in]``; by default (None) where ``in_out_default`` says so, f32 on CPU. The tied
+    output projection reads the embedding table ``[vocab, hidden]`` either way."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, cpu_16bit_paths: bool = True,
-                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS, kv_head_attention: bool = True):
+                 weight_left_rows: int = WEIGHT_LEFT_MAX_ROWS, kv_head_attention: bool = True,
+                 in_out: bool | None = None):
         self.config = config
         self.kv_head_attention = kv_head_attention
         self.cpu_16bit_paths = cpu_16bit_paths
         self.weight_left_rows = weight_left_rows if cpu_16bit_paths else 0
+        self.in_out = in_out_default(config.jnp_dtype) if in_out is None else in_out
         dot_general = dense_dot_general if cpu_16bit_paths else jax.lax.dot_general
         dtype = config.jnp_dtype
         self.embed_tokens = nnx.Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        kw = dict(dot_general=dot_general, weight_left_rows=self.weight_left_rows)
+        kw = dict(dot_general=dot_general, weight_left_rows=self.weight_left_rows,
+                  in_out=self.in_out)
         self.layers = nnx.List([DecoderLayer(config, rngs=rngs, **kw)
                                 for _ in range(config.num_layers)])
         self.norm = _rms_norm(config, rngs)
         # Tied models have no lm_head: logits come from the embedding (`logits`).
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
-            weight_left_rows=self.weight_left_rows, rngs=rngs,
+            weight_left_rows=self.weight_left_rows, rngs=rngs, in_out=self.in_out,
             preferred_element_type=jnp.float32,  # f32 logits, never rounded
         )
 

@@ -13,6 +13,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from paged_jax import sharding
@@ -21,6 +22,7 @@ from paged_jax.engine import Steps
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.kvcache import init_cache
 from paged_jax.model import init_model
+from paged_jax.model.llama import Llama
 from tests.compile_log import logged_compiles
 from tests.sharded.helpers import CACHE, GQA, STEPS, mesh, run_steps, split_model
 
@@ -85,19 +87,26 @@ def test_pallas_kernel_runs_per_shard_in_interpret_mode(model, reference):
     assert_same(got, reference)
 
 
-def test_param_specs_are_megatron_style(model):
-    _, params = model
+@pytest.mark.parametrize("in_out", [False, True], ids=["weight", "kernel"])
+def test_param_specs_are_megatron_style(in_out):
+    """q/k/v and gate/up split over their outputs, o and down over their inputs: the first
+    axis of an ``[out, in]`` weight, the second of an ``[in, out]`` kernel, and back."""
+    params = nnx.to_pure_dict(nnx.state(Llama(GQA, rngs=nnx.Rngs(1), in_out=in_out)))
     specs = sharding.param_specs(params)
     attn, mlp = specs["layers"][0]["self_attn"], specs["layers"][0]["mlp"]
+    leaf = "kernel" if in_out else "weight"
+    out_axis = P(None, "tp") if in_out else P("tp", None)
+    in_axis = P("tp", None) if in_out else P(None, "tp")
     for name in ("q_proj", "k_proj", "v_proj"):
-        assert attn[name]["weight"] == P("tp", None)
-    assert attn["o_proj"]["weight"] == P(None, "tp")
-    assert mlp["gate_proj"]["weight"] == mlp["up_proj"]["weight"] == P("tp", None)
-    assert mlp["down_proj"]["weight"] == P(None, "tp")
-    assert specs["embed_tokens"]["embedding"] == specs["lm_head"]["weight"] == P()
+        assert attn[name][leaf] == out_axis
+    assert attn["o_proj"][leaf] == in_axis
+    assert mlp["gate_proj"][leaf] == mlp["up_proj"][leaf] == out_axis
+    assert mlp["down_proj"][leaf] == in_axis
+    assert specs["embed_tokens"]["embedding"] == specs["lm_head"][leaf] == P()
     placed = sharding.shard_params(params, mesh((4,)))
-    q = placed["layers"][0]["self_attn"]["q_proj"]["weight"]  # [Hq * D, E]
-    assert {s.data.shape for s in q.addressable_shards} == {(2 * GQA.head_dim, GQA.hidden_size)}
+    q = placed["layers"][0]["self_attn"]["q_proj"][leaf]  # [Hq * D, E] or [E, Hq * D]
+    shard = (2 * GQA.head_dim, GQA.hidden_size)
+    assert {s.data.shape for s in q.addressable_shards} == {shard[::-1] if in_out else shard}
 
 
 def shard_pointers(kv):
