@@ -53,6 +53,7 @@ from paged_jax.allocator import (
 )
 from paged_jax.engine import events as ev
 from paged_jax.engine.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from paged_jax.engine.pool_snapshot import PoolSnapshot
 from paged_jax.engine.prefix_cache import ROOT, Lookup, PrefixCache
 from paged_jax.engine.sampling import row_keys, sample
 from paged_jax.engine.scheduler import Plan, Scheduler, Sequence
@@ -300,7 +301,6 @@ class LLMEngine:
         self._prefill_shapes: set[tuple[int, int]] = set()
         # Per slot: the chain hash of its last cached full block and how many are entered.
         self._chain: dict[int, tuple[int, bytes]] = {}
-        self._snap = None
         # (request id, Lookup) of every admission's prefix lookup. The scheduler may look a
         # queued sequence up again each step until it fits; only the admitting lookup counts.
         self.lookups: list[tuple[str, Lookup]] = []
@@ -417,61 +417,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work
 
-    # -- the block arithmetic the scheduler plans with (BlockCounter) -----------------------
-
-    def _snapshot(self):
-        st = self.state
-        ref, held, tables, num_free = (np.array(x) for x in jax.device_get(
-            (st.ref_counts, st.held, st.block_tables, st.num_free)))
-        cached = set(self.prefix_cache.blocks())
-        # A cached block no sequence references holds only the cache's reference.
-        evictable = {b for b in cached if ref[b] == 1}
-        self._snap = dict(ref=ref, held=held, tables=tables, num_free=int(num_free),
-                          evictable=evictable, hits={}, lookups={})
-
-    def free(self) -> int:
-        return self._snap["num_free"] + len(self._snap["evictable"])
-
-    def decode_need(self, seq: Sequence, steps: int) -> int:
-        bs = self.cache_config.block_size
-        length = seq.cached
-        need = -(-(length + steps) // bs) - -(-length // bs)
-        if length % bs:
-            block = self._snap["tables"][seq.slot, length // bs]
-            need += int(self._snap["ref"][block] > 1)  # a copy on write
-        return need
-
-    def lookup(self, seq: Sequence) -> int:
-        if not self.enable_prefix_caching:
-            return 0
-        blocks, record = self.prefix_cache.lookup(seq.target)
-        self._snap["hits"][id(seq)] = blocks
-        self._snap["lookups"][id(seq)] = record
-        return record.hit_tokens
-
-    def prefill_need(self, seq: Sequence, upto: int) -> int:
-        bs = self.cache_config.block_size
-        need = -(-upto // bs) - -(-seq.cached // bs)
-        if seq.slot is None:  # an admission: its hit's evictable blocks leave the free count
-            need += sum(b in self._snap["evictable"] for b in self._snap["hits"].get(id(seq), ()))
-        return need
-
-    def held_alone(self, seq: Sequence) -> int:
-        bs = self.cache_config.block_size
-        row = self._snap["tables"][seq.slot, : -(-seq.cached // bs)]
-        ref, held = self._snap["ref"], self._snap["held"]
-        # Freed, or left evictable, where this sequence is the block's only table reference.
-        freed = int(sum(ref[b] - held[b] == 1 for b in row))
-        ref[row] -= 1  # later answers in this plan see the release (a fork's siblings)
-        return freed
-
     # -- one iteration -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the requests whose outputs changed (new tokens, or
         finished), each with its whole output so far."""
-        self._snapshot()
-        plan = self.scheduler.schedule(self)
+        snap = PoolSnapshot.take(self.state, self.prefix_cache, self.cache_config.block_size,
+                                 self.enable_prefix_caching)
+        plan = self.scheduler.schedule(snap)
         touched: dict[str, _Request] = {}
         now = time.perf_counter()
         for seq, slot in plan.preempt:
@@ -479,10 +432,10 @@ class LLMEngine:
                 seq.request_id, seq.index, slot, self._slot_blocks(slot)))
             self._release_slots([slot])
             self.requests[seq.request_id].metrics.preemptions += 1
-        self._evict_for(plan)
+        self._evict_for(plan, snap)
         copies = self._cow_copies
         if plan.prefill:
-            self._run_prefill(plan, touched, now)
+            self._run_prefill(plan, snap, touched, now)
         if plan.decode:
             self._run_decode(plan, touched)
         if self.debug:
@@ -505,9 +458,9 @@ class LLMEngine:
                 self.finished_metrics.append((req.request_id, req.metrics))
         return outputs
 
-    def _evict_for(self, plan: Plan) -> None:
+    def _evict_for(self, plan: Plan, snap: PoolSnapshot) -> None:
         """Free cached blocks until the plan's new blocks fit in the free list."""
-        need = sum(self.decode_need(s, n) for s, n in plan.decode)
+        need = sum(snap.decode_need(s, n) for s, n in plan.decode)
         for _, start, length in plan.prefill:
             need += -(-(start + length) // self.cache_config.block_size) - -(
                 -start // self.cache_config.block_size)
@@ -520,7 +473,7 @@ class LLMEngine:
         ref = np.asarray(jax.device_get(self.state.ref_counts))
         # The hits of this plan's admissions are about to be used; a lookup that did not
         # lead to an admission holds nothing.
-        in_use = {b for s in plan.admitted for b in self._snap["hits"].get(id(s), ())}
+        in_use = {b for s in plan.admitted for b in snap.hits.get(id(s), ())}
         evictable = {b for b in self.prefix_cache.blocks() if ref[b] == 1} - in_use
         gone = self.prefix_cache.evict(short, evictable)
         if gone:
@@ -530,7 +483,7 @@ class LLMEngine:
             self._publish(lambda: ev.BlockRemoved([ev.hash_int(hashes[b]) for b in gone],
                                                   list(gone), self._refs(gone)))
 
-    def _run_prefill(self, plan: Plan, touched, now: float) -> None:
+    def _run_prefill(self, plan: Plan, snap: PoolSnapshot, touched, now: float) -> None:
         cfg = self.cache_config
         rows = plan.prefill
         # New admissions start on their prefix-cache hit (or on nothing); every prefill row
@@ -540,12 +493,12 @@ class LLMEngine:
             tables = np.full((cfg.max_seqs, cfg.max_blocks_per_seq), -1, np.int32)
             counts = np.zeros(cfg.max_seqs, np.int32)
             for i, s in enumerate(plan.admitted):
-                blocks = self._snap["hits"].get(id(s), [])[: s.cached // cfg.block_size]
+                blocks = snap.hits.get(id(s), [])[: s.cached // cfg.block_size]
                 ids[i] = s.slot
                 tables[i, : len(blocks)] = blocks
                 counts[i] = s.cached
                 self._chain[s.slot] = (len(blocks), self._hash_of(blocks))
-                record = self._snap["lookups"].get(id(s))
+                record = snap.lookups.get(id(s))
                 if record is not None:
                     self.lookups.append((s.request_id, record))
                     self._hit_tokens += record.hit_tokens
