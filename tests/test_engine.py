@@ -86,6 +86,7 @@ def token_ids(outputs):
     dict(num_blocks=SMALL, steps_per_dispatch=4, steps_while_prefilling=2),
     dict(num_blocks=SMALL, steps_per_dispatch=3, enable_prefix_caching=False,
          prefill_by_width=False),
+    dict(steps_per_dispatch=3, scheduling_policy="shortest_first"),
 ])
 def test_greedy_outputs_equal_the_dense_reference(model, steps, reference, kwargs):
     prompts = prompts_of(LENS)
@@ -138,6 +139,30 @@ def test_prefill_chunks_run_one_dispatch_per_width_class(model, steps, reference
     assert [outs[f"r{i}"].outputs[0].token_ids for i in range(3)] == [
         reference(p, 12) for p in prompts]
     assert sorted(shapes) == ([(1, 32), (2, 16)] if by_width else [(4, 32)])
+
+
+@pytest.mark.parametrize("policy, order", [("fcfs", ["r0", "r1", "r2", "r3"]),
+                                           ("shortest_first", ["r1", "r3", "r2", "r0"])])
+def test_requests_added_together_are_admitted_in_the_policy_order(model, steps, reference,
+                                                                  policy, order):
+    """Prompts of 30, 5, 9 and 5 tokens added before one step: fcfs admits them as added,
+    shortest_first by prompt length (equal lengths as added). Outputs are the reference's."""
+    from paged_jax.engine.events import Admitted
+
+    prompts = prompts_of([30, 5, 9, 5], seed=21)
+    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=4, max_model_len=DENSE_LEN,
+                    num_blocks=64, max_num_batched_tokens=16, scheduling_policy=policy)
+    admitted = []
+    eng.add_listener(lambda e: admitted.append(e.request_id) if isinstance(e, Admitted)
+                     else None)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, GREEDY)
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert admitted == order
+    assert [outs[f"r{i}"].outputs[0].token_ids for i in range(4)] == [
+        reference(p, 12) for p in prompts]
 
 
 def test_one_request_at_a_time_gives_the_same_outputs(model, steps, reference):
@@ -459,6 +484,8 @@ def test_tokens_are_timed_when_the_step_that_made_them_returns(model, steps):
     (dict(steps_while_prefilling=0), "steps_while_prefilling must be a positive int. Got 0."),
     (dict(steps_per_dispatch=4, steps_while_prefilling=5),
      r"steps_while_prefilling must be at most steps_per_dispatch \(4\). Got 5."),
+    (dict(scheduling_policy="sjf"),
+     r"scheduling_policy must be one of \('fcfs', 'shortest_first'\). Got 'sjf'."),
 ])
 def test_bad_engine_arguments_name_the_value(model, steps, kwargs, message):
     with pytest.raises(ValueError, match=message):

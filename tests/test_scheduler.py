@@ -113,11 +113,13 @@ class Sim:
     applies it; ``log`` keeps what the checks below need."""
 
     def __init__(self, *, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                 steps_per_dispatch, steps_while_prefilling=None):
+                 steps_per_dispatch, steps_while_prefilling=None, policy="fcfs"):
         self.sched = Scheduler(max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
                                steps_per_dispatch=steps_per_dispatch, block_size=block_size,
-                               steps_while_prefilling=steps_while_prefilling)
+                               steps_while_prefilling=steps_while_prefilling, policy=policy)
+        self.policy = policy
+        self.fresh: list[Sequence] = []  # added since the last step, in arrival order
         self.while_prefilling = steps_while_prefilling or steps_per_dispatch
         self.pool = ToyPool(num_blocks, block_size)
         self.n: dict[str, int] = {}
@@ -129,8 +131,10 @@ class Sim:
     def add(self, prompt_len: int, max_tokens: int, n: int = 1) -> str:
         rid = f"r{self.arrivals}"
         prompt = [(self.arrivals * 7 + i) % 50 for i in range(prompt_len)]
-        self.sched.add(Sequence(request_id=rid, index=0, arrival=self.arrivals,
-                                prompt_ids=prompt, max_tokens=max_tokens, fork=n))
+        seq = Sequence(request_id=rid, index=0, arrival=self.arrivals, prompt_ids=prompt,
+                       max_tokens=max_tokens, fork=n)
+        self.sched.add(seq)
+        self.fresh.append(seq)
         self.n[rid] = n
         self.done[rid] = []
         self.arrivals += 1
@@ -151,10 +155,21 @@ class Sim:
         for q in s.waiting:
             assert q.slot is None and not q.reserved and q.cached == 0 and not q.decoding
 
+    def queue_order(self) -> list[Sequence]:
+        """The order the scheduler must take the queue in: arrival order, except that under
+        shortest_first the sequences added since the last step go shortest prompt first
+        (stable) behind the ones queued before them."""
+        fresh, self.fresh = self.fresh, []
+        older = [q for q in self.sched.waiting if all(q is not f for f in fresh)]
+        fresh = [f for f in fresh if any(q is f for q in self.sched.waiting)]
+        if self.policy == "shortest_first":
+            fresh = sorted(fresh, key=lambda q: len(q.prompt_ids))
+        return older + fresh
+
     def step(self) -> Plan:
         s, pool = self.sched, self.pool
         before_running = list(s.running)
-        before_waiting = list(s.waiting)
+        before_waiting = self.queue_order()
         oldest = min(before_running, key=lambda q: q.age) if before_running else None
         decoding_before = [q for q in before_running if q.decoding]
         pool.pending = {}
@@ -191,6 +206,11 @@ class Sim:
             assert q.decoding and q.slot is not None and 1 <= steps <= q.remaining
         for q in plan.admitted:  # (d) n > 1 keeps its completions' slots from admission on
             assert len(q.reserved) == q.fork - 1
+        # (f) admissions come off the front of the queue in its order, the rest stay in it.
+        if not victims:
+            taken = len(plan.admitted)
+            assert list(map(id, plan.admitted)) == list(map(id, before_waiting[:taken]))
+            assert list(map(id, s.waiting)) == list(map(id, before_waiting[taken:]))
         self.check_slots()
 
         # Apply it as the engine does: release, prefill (first token, fork), decode, finish.
@@ -281,11 +301,12 @@ def test_random_workloads_under_pressure_all_complete(seed):
     tokens = rng.choice([1, 3, 8, 16, 64])
     k = rng.choice([1, 2, 3, 8])
     while_prefilling = rng.choice([None, 1, k])
+    policy = rng.choice(["fcfs", "shortest_first"])
     num_blocks = rng.randint(math.ceil(72 / block_size), math.ceil(72 / block_size) + 6)
     arrivals = random_workload(rng, block_size, num_blocks, max_seqs, rng.randint(5, 25))
     sim = Sim(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
               max_num_batched_tokens=tokens, steps_per_dispatch=k,
-              steps_while_prefilling=while_prefilling)
+              steps_while_prefilling=while_prefilling, policy=policy)
     sim.run(arrivals, limit=20_000)
     requests = {f"r{i}": r for i, r in enumerate(r for i in sorted(arrivals)
                                                    for r in arrivals[i])}
@@ -455,3 +476,51 @@ def test_a_plan_that_cannot_prefill_decodes_k_steps():
     plan = sim.step()
     assert not plan.prefill and sim.sched.prefill_pending()
     assert plan.decode_steps == 4 and [n for _, n in plan.decode] == [4]
+
+
+def first_token_iterations(policy: str, prompt_lens: list[int], budget: int) -> list[int]:
+    """The iteration (from 1) in which each request, all added together, got its first
+    token."""
+    sim = Sim(num_blocks=64, block_size=4, max_num_seqs=len(prompt_lens),
+              max_num_batched_tokens=budget, steps_per_dispatch=2, policy=policy)
+    rids = [sim.add(n, 4) for n in prompt_lens]
+    first = {}
+    while sim.sched.has_work:
+        sim.step()
+        started = [q for q in sim.sched.running if q.decoding]  # 4 tokens: none ends yet
+        for q in started:
+            first.setdefault(q.request_id, sim.iterations)
+    return [first[r] for r in rids]
+
+
+@pytest.mark.parametrize("policy, want", [
+    # Budget 8. fcfs: r0's 8, then r0's last 4 + r1's 3 + 1 of r2, then r2's 4 + r3's 3.
+    ("fcfs", [2, 2, 3, 3]),
+    # shortest_first takes r1, r3, r2, r0: r1's 3 + r3's 3 + 2 of r2, then r2's 3 + 5 of
+    # r0, then r0's last 7.
+    ("shortest_first", [3, 1, 2, 1]),
+])
+def test_requests_added_together_are_prefilled_in_the_policy_order(policy, want):
+    assert first_token_iterations(policy, [12, 3, 5, 3], budget=8) == want
+
+
+def test_shortest_first_keeps_a_request_queued_earlier_ahead_of_a_shorter_later_one():
+    sim = Sim(num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64,
+              steps_per_dispatch=2, policy="shortest_first")
+    sim.add(4, 6)
+    sim.step()  # r0 holds the only slot
+    waiting = sim.add(10, 2)
+    sim.step()  # r1 queued: no slot
+    later = sim.add(2, 2)  # shorter, but added after r1 waited a plan
+    order = []
+    while sim.sched.has_work:
+        plan = sim.step()
+        order += [q.request_id for q in plan.admitted]
+    assert order == [waiting, later]
+
+
+def test_an_unknown_policy_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"policy must be one of \('fcfs', 'shortest_first'\)"
+                                         r"\. Got 'sjf'"):
+        Scheduler(max_num_seqs=1, max_num_batched_tokens=8, steps_per_dispatch=1,
+                  block_size=4, policy="sjf")

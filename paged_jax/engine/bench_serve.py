@@ -9,7 +9,9 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
 * ``paged_jax``: an ``LLMEngine`` stepped in this process. A request joins the running batch
   at the first iteration after it arrives; prefill is chunked to ``--max-num-batched-tokens``
   tokens per iteration; decode runs ``--steps-per-dispatch`` steps per dispatch
-  (``--steps-while-prefilling`` in an iteration that also prefills). Each engine
+  (``--steps-while-prefilling`` in an iteration that also prefills); requests are admitted
+  first come first served (``paged_jax_shortest_first`` admits the ones that arrived
+  together shortest prompt first). Each engine
   first compiles every prefill shape it can dispatch (``engine.warmup.warm_up``); each
   configuration is then served once untimed, so that the timed passes run on compiled
   executables, and the prefix cache is emptied before each pass.
@@ -73,9 +75,10 @@ from paged_jax.engine.serve_metrics import (
 from paged_jax.engine.warmup import warm_up
 
 SYSTEMS = ("paged_jax", "generate_batch", "generate")
-# paged_jax with one of its engine's speed measures turned off, on request (--systems): what
-# the measure gains is paged_jax's figures against these, in the same run. Per name: the
-# LLMEngine arguments (a callable of the parsed args) and what the comparison is.
+# paged_jax with one of its engine's settings changed, on request (--systems): one of its
+# speed measures turned off, or the shortest_first admission order on. What the setting
+# changes is paged_jax's figures against these, in the same run. Per name: the LLMEngine
+# arguments (a callable of the parsed args) and what the comparison is.
 ONE_PREFILL = "paged_jax_one_prefill"
 ABLATIONS = {
     ONE_PREFILL: (lambda a: {"prefill_by_width": False},
@@ -85,6 +88,8 @@ ABLATIONS = {
         "decode steps_while_prefilling vs K throughout"),
     "paged_jax_all_rows": (lambda a: {"bucket_decode_rows": False},
                            "decode rows bucketed vs every slot"),
+    "paged_jax_shortest_first": (lambda a: {"scheduling_policy": "shortest_first"},
+                                 "fcfs vs shortest_first"),
 }
 HTTP = "paged_jax_http"  # paged_jax behind the HTTP server (--http)
 GOAL_VS_BATCH, GOAL_VS_STATIC, GOAL_ITL, GOAL_HTTP = 5.0, 2.0, 3.0, 0.10
@@ -119,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
                    choices=[*SYSTEMS, *ABLATIONS],
                    help=f"servers to run; {', '.join(ABLATIONS)} are paged_jax with one prefill "
-                   "dispatch per iteration, K decode steps while prefilling, and every slot "
-                   "computed in each decode step")
+                   "dispatch per iteration, K decode steps while prefilling, every slot "
+                   "computed in each decode step, and the requests that arrive together "
+                   "admitted shortest prompt first")
     p.add_argument("--http", action="store_true",
                    help=f"also run {HTTP}: paged_jax through paged-jax serve's HTTP API")
     p.add_argument("--blocks-history", type=int, default=None,
@@ -444,7 +450,7 @@ def http_goal(paged: dict, http: dict) -> str:
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'rate':>5} {'seqs':>4} {'server':<21} {'done':>4} {'req/s':>6} {'out tok/s':>9} "
+    head = (f"{'rate':>5} {'seqs':>4} {'server':<24} {'done':>4} {'req/s':>6} {'out tok/s':>9} "
             f"{'tot tok/s':>9} | {'TTFT mean/p50/p90/p99 ms':>25} | {'TPOT p50':>8} | "
             f"{'ITL p50/p99 ms':>14} | {'E2E p50 ms':>10} | {'peak':>4} | {'same tokens':>11}")
     rows = [head, "-" * len(head)]
@@ -453,7 +459,7 @@ def table(results: list[dict]) -> str:
         itl = f"{i['p50']:.0f}/{i['p99']:.0f}" if i["p50"] is not None else "-"
         tpot = f"{r['tpot_ms']['p50']:.1f}" if r["tpot_ms"]["p50"] is not None else "-"
         rows.append(
-            f"{r['rate']:>5g} {r['max_num_seqs']:>4} {r['system']:<21} {r['completed']:>4} "
+            f"{r['rate']:>5g} {r['max_num_seqs']:>4} {r['system']:<24} {r['completed']:>4} "
             f"{r['request_throughput']:>6.2f} {r['output_throughput']:>9.1f} "
             f"{r['total_token_throughput']:>9.1f} | "
             f"{t['mean']:>6.0f}/{t['p50']:>5.0f}/{t['p90']:>5.0f}/{t['p99']:>5.0f} | "

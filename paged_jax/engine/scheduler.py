@@ -17,7 +17,9 @@ Every ``LLMEngine.step`` asks ``Scheduler.schedule`` for one iteration's plan:
    is dropped.
 3. **Chunked prefill.** Then prompts are prefilled, at most ``max_num_batched_tokens`` tokens
    in all per iteration: first the chunks of prompts already started, then new admissions,
-   first come first served (preempted sequences first). A waiting sequence is admitted only
+   first come first served (preempted sequences first; with ``policy="shortest_first"``, the
+   requests queued since the previous plan are taken shortest prompt first among
+   themselves). A waiting sequence is admitted only
    when a slot is free (``n`` slots for a request with ``n`` completions, which fork after
    the prefill) and the pool holds its whole prompt plus one copy-on-write block per extra
    completion beside the decode dispatch; so a long prompt stalls running requests for at
@@ -38,7 +40,9 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Protocol
 
-__all__ = ["BlockCounter", "Plan", "Scheduler", "Sequence"]
+__all__ = ["POLICIES", "BlockCounter", "Plan", "Scheduler", "Sequence"]
+
+POLICIES = ("fcfs", "shortest_first")
 
 
 @dataclasses.dataclass(eq=False)
@@ -129,7 +133,11 @@ class Scheduler:
     sequences between the queue and the slots; the engine reports back with ``finish``."""
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, steps_per_dispatch: int,
-                 block_size: int, steps_while_prefilling: int | None = None):
+                 block_size: int, steps_while_prefilling: int | None = None,
+                 policy: str = "fcfs"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}. Got {policy!r}.")
+        self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.steps_per_dispatch = steps_per_dispatch
@@ -141,11 +149,28 @@ class Scheduler:
         self.running: list[Sequence] = []  # holding a slot, in admission order
         self.free_slots = list(range(max_num_seqs))
         self.num_preemptions = 0
+        self._fresh: list[Sequence] = []  # queued since the previous plan, in arrival order
 
     # -- queue -------------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._fresh.append(seq)
+
+    def _order_fresh(self) -> None:
+        """Under ``shortest_first``, put the sequences queued since the previous plan in order
+        of prompt length (arrival order among equals), behind everything queued before them.
+
+        They arrived between two plans, so no one of them has waited for a plan longer than
+        another; taking the short ones first gives more of them their first token sooner
+        (the longest finishes no later than it would have last). Sequences queued earlier
+        keep their places, so none waits behind later arrivals."""
+        fresh, self._fresh = {id(s) for s in self._fresh}, []
+        if self.policy == "fcfs" or len(fresh) < 2:
+            return
+        new = sorted((s for s in self.waiting if id(s) in fresh), key=lambda s: len(s.target))
+        self.waiting = collections.deque(
+            [s for s in self.waiting if id(s) not in fresh] + new)
 
     def remove(self, seqs: Iterable[Sequence]) -> list[Sequence]:
         """Take ``seqs`` out of the queue and the slots (abort, finish); returns those that held
@@ -179,6 +204,7 @@ class Scheduler:
                 or bool(self.waiting and len(self.free_slots) >= self.waiting[0].fork))
 
     def schedule(self, blocks: BlockCounter) -> Plan:
+        self._order_fresh()
         if self.steps_while_prefilling < self.steps_per_dispatch and self.prefill_pending():
             plan = self._plan(blocks, self.steps_while_prefilling)
             # A plan without prefill or preemption changed nothing (no admission, no slot

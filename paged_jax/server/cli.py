@@ -16,6 +16,8 @@ import argparse
 import os
 import pathlib
 
+from paged_jax.engine.scheduler import POLICIES
+
 __all__ = ["build_parser", "main", "model_name"]
 
 API_KEY_ENV = "PAGED_JAX_API_KEY"
@@ -41,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-while-prefilling", type=int, default=1,
                    help="decode steps per dispatch in an iteration that prefills (at most "
                    "--steps-per-dispatch)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES,
+                   help="admission order; shortest_first takes the requests that arrived "
+                   "together shortest prompt first")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
@@ -80,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens,
               steps_per_dispatch=args.steps_per_dispatch,
               steps_while_prefilling=args.steps_while_prefilling,
+              scheduling_policy=args.scheduling_policy,
               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
               kv_cache_bytes=args.kv_cache_mib << 20)
     if args.warmup:
