@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from paged_jax.engine.buckets import prefill_buckets
 from paged_jax.engine.llm import LLM
-from paged_jax.engine.llm_engine import LLMEngine, prefill_buckets
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.steps import Steps
 from paged_jax.model import init_model

@@ -5,8 +5,10 @@ serving run with requests arriving at random compiles nothing."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from flax import nnx
 
+from paged_jax.engine.buckets import pow2_at_least
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.steps import Steps
@@ -21,6 +23,12 @@ def _pow2(n: int, low: int, high: int) -> int:
     while p < n:
         p *= 2
     return min(p, high)
+
+
+@pytest.mark.parametrize("low, high", [(1, 1), (1, 16), (16, 256), (8, 1 << 20)])
+def test_pow2_at_least_is_the_doubling_loop(low, high):
+    assert [pow2_at_least(n, low, high) for n in range(1, 600)] == [
+        _pow2(n, low, high) for n in range(1, 600)]
 
 
 def brute_force_shapes(max_seqs: int, budget: int, by_width: bool) -> set[tuple[int, int]]:

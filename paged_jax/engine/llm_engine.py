@@ -18,11 +18,9 @@ Each ``step()`` runs one iteration of the scheduler's plan:
 5. on the host: new tokens, stop strings, finished sequences released, newly full blocks
    entered in the prefix cache.
 
-Prefill widths are bucketed to powers of two from ``MIN_PREFILL_WIDTH`` up to
-``max_num_batched_tokens`` and its rows to powers of two up to ``max_num_seqs``, so at most
-``(log2(max_num_seqs) + 1) * (log2(max_num_batched_tokens / MIN_PREFILL_WIDTH) + 1)`` prefill
-executables are compiled, whatever the prompts (``prefill_buckets``). A decode dispatch
-computes the slots up to the highest one decoding, rounded up to a power of two
+Prefill shapes are bucketed to powers of two (``engine.buckets``), so the number of prefill
+executables is bounded whatever the prompts. A decode dispatch computes the slots up to the
+highest one decoding, rounded up to a power of two
 (``LLMEngine.decode_rows_for``): a step's cost grows with its rows, active or not, and slots
 are handed out lowest first. Decode compiles once per such row count, sampling kind in use
 (greedy, sampled, sampled with top-k/top-p) and dispatch length (K and
@@ -52,7 +50,14 @@ from paged_jax.allocator import (
     share_blocks,
 )
 from paged_jax.engine import events as ev
-from paged_jax.engine.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from paged_jax.engine.buckets import MIN_PREFILL_WIDTH, pow2_at_least
+from paged_jax.engine.params import (
+    UNDELIVERED,
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
 from paged_jax.engine.pool_snapshot import PoolSnapshot
 from paged_jax.engine.prefix_cache import ROOT, Lookup, PrefixCache
 from paged_jax.engine.sampling import row_keys, sample
@@ -62,61 +67,9 @@ from paged_jax.kvcache import init_cache, plan_blocks
 from paged_jax.model.llama import Llama
 from paged_jax.sharding import auto_axes, check_model, init_sharded_cache, replicate, shard_params
 
-__all__ = ["EngineStats", "LLMEngine", "prefill_buckets", "prefill_shapes"]
+__all__ = ["EngineStats", "LLMEngine"]
 
-MIN_PREFILL_WIDTH = 16
 DEFAULT_KV_BYTES = 256 << 20  # the pool's memory when num_blocks is not given
-
-
-def _pow2_at_least(n: int, low: int, high: int) -> int:
-    return min(max(low, 1 << max(n - 1, 0).bit_length()), high)
-
-
-def _pow2_buckets(low: int, high: int) -> list[int]:
-    """Every value ``_pow2_at_least(n, low, high)`` takes for ``n`` in ``1..high``."""
-    return sorted({_pow2_at_least(n, low, high) for n in range(1, high + 1)})
-
-
-def prefill_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
-    """Every ``(rows, width)`` a prefill may compile for: the bound on prefill executables."""
-    widths = _pow2_buckets(MIN_PREFILL_WIDTH, max_num_batched_tokens)
-    return [(r, w) for r in _pow2_buckets(1, max_num_seqs) for w in widths]
-
-
-def prefill_shapes(max_num_seqs: int, max_num_batched_tokens: int,
-                   by_width: bool = True) -> list[tuple[int, int]]:
-    """Every ``(rows, width)`` an engine with these limits can dispatch a prefill in
-    (``engine.warmup`` compiles them). With ``by_width``, an iteration's chunks of more than
-    ``w / 2`` tokens (``w > 16``) go in width class ``w``, so at most
-    ``max_num_batched_tokens // (w / 2 + 1)`` share its dispatch; the 16-wide class holds up
-    to ``max_num_seqs``. Without it, every ``prefill_buckets`` pair can occur."""
-    buckets = prefill_buckets(max_num_seqs, max_num_batched_tokens)
-    if not by_width:
-        return buckets
-    out = []
-    for rows, width in buckets:
-        most = max_num_seqs if width == MIN_PREFILL_WIDTH else min(
-            max_num_seqs, max_num_batched_tokens // (width // 2 + 1))
-        if rows <= _pow2_at_least(most, 1, max_num_seqs):
-            out.append((rows, width))
-    return out
-
-
-_UNDELIVERED = math.nan  # a token time, until the step that made it returns
-
-
-def _stamp(metrics: RequestMetrics, delivered: float) -> None:
-    """Give the times ``_emit`` left undelivered (this step's) the step's return time."""
-    times = metrics.token_times
-    i = len(times)
-    while i and math.isnan(times[i - 1]):
-        i -= 1
-    times[i:] = [delivered] * (len(times) - i)
-    if metrics.first_token_time is not None and math.isnan(metrics.first_token_time):
-        metrics.first_token_time = delivered
-    if metrics.finished_time is not None and math.isnan(metrics.finished_time):
-        metrics.finished_time = delivered
-
 
 def _median(values: list[float]) -> float | None:
     return float(np.median(values)) if values else None
@@ -458,7 +411,7 @@ class LLMEngine:
         # prompt's first token waits for the decode dispatch that follows its prefill.
         delivered = time.perf_counter()
         for req in touched.values():
-            _stamp(req.metrics, delivered)
+            req.metrics.deliver(delivered)
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():  # a finished request is reported once, then forgotten
             if req.finished:
@@ -521,7 +474,7 @@ class LLMEngine:
         widest = max(length for _, _, length in rows)
         for row in rows:
             length = row[2] if self.prefill_by_width else widest
-            width = _pow2_at_least(length, MIN_PREFILL_WIDTH, self.max_num_batched_tokens)
+            width = pow2_at_least(length, MIN_PREFILL_WIDTH, self.max_num_batched_tokens)
             by_width.setdefault(width, []).append(row)
         for width, group in by_width.items():  # in the plan's order of their first rows
             self._prefill_group(group, width, now, touched)
@@ -529,7 +482,7 @@ class LLMEngine:
     def _prefill_group(self, rows, width: int, now: float, touched) -> None:
         """One prefill dispatch of ``rows`` (``(seq, start, length)`` chunks, each at most
         ``width`` tokens), then each finished prompt's first token."""
-        nrows = _pow2_at_least(len(rows), 1, self.cache_config.max_seqs)
+        nrows = pow2_at_least(len(rows), 1, self.cache_config.max_seqs)
         self._prefill_shapes.add((nrows, width))
         tokens = np.zeros((nrows, width), np.int32)
         slots = np.full(nrows, -1, np.int32)
@@ -617,7 +570,7 @@ class LLMEngine:
         s_count = self.cache_config.max_seqs
         if not self.bucket_decode_rows:
             return s_count
-        return _pow2_at_least(highest_slot + 1, 1, s_count)
+        return pow2_at_least(highest_slot + 1, 1, s_count)
 
     def _run_decode(self, plan: Plan, touched) -> None:
         cfg = self.cache_config
@@ -638,7 +591,7 @@ class LLMEngine:
             temps[r], top_k[r], top_p[r] = p.temperature, p.filter_top_k, p.top_p
             stops[r] = sorted(self._stop_ids(p))
             new_blocks += -(-(s.cached + n) // cfg.block_size) - -(-s.cached // cfg.block_size)
-        width = _pow2_at_least(max(map(len, stops)), 1, 1 << 30)
+        width = pow2_at_least(max(map(len, stops)), 1, 1 << 30)
         stop_ids = np.full((s_count, width), -1, np.int32)
         for r, ids in enumerate(stops):
             stop_ids[r, : len(ids)] = ids
@@ -664,7 +617,7 @@ class LLMEngine:
     def _emit(self, seq: Sequence, new: list[int], touched) -> None:
         """Append ``new`` tokens to ``seq``, finish it if it ended, enter its full blocks."""
         req = self.requests[seq.request_id]
-        now = _UNDELIVERED  # stamped when step() returns (_stamp)
+        now = UNDELIVERED  # stamped when step() returns (RequestMetrics.deliver)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         p = req.params
@@ -742,7 +695,7 @@ class LLMEngine:
     def _padded(self, blocks: list[int]) -> np.ndarray:
         """Block ids padded with -1 to a power of two: the loose-block ops compile once per
         size class, not once per count."""
-        out = np.full(_pow2_at_least(len(blocks), 8, 1 << 40), -1, np.int32)
+        out = np.full(pow2_at_least(len(blocks), 8, 1 << 40), -1, np.int32)
         out[: len(blocks)] = blocks
         return out
 

@@ -8,10 +8,11 @@ with its name and the range expected, before anything reaches the engine.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Sequence
 
-__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["UNDELIVERED", "CompletionOutput", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -100,6 +101,9 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+UNDELIVERED = math.nan  # a token's time until the step that made it returns
+
+
 @dataclasses.dataclass
 class RequestMetrics:
     """Wall-clock times (``time.perf_counter`` seconds) of a request's life. ``token_times``
@@ -142,6 +146,19 @@ class RequestMetrics:
         if len(t) < 2:
             return None
         return (t[-1] - t[0]) / (len(t) - 1)
+
+    def deliver(self, now: float) -> None:
+        """Give the times recorded as ``UNDELIVERED`` (the tokens of the step now returning,
+        and its first-token and finish times) the time ``now`` they reach the caller."""
+        times = self.token_times
+        i = len(times)
+        while i and math.isnan(times[i - 1]):
+            i -= 1
+        times[i:] = [now] * (len(times) - i)
+        if self.first_token_time is not None and math.isnan(self.first_token_time):
+            self.first_token_time = now
+        if self.finished_time is not None and math.isnan(self.finished_time):
+            self.finished_time = now
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ and a request then waits for a compilation (seconds for a real model on a CPU) i
 of serving. ``warm_up`` runs each shape once on padding rows, which change neither the cache
 nor the allocator's state.
 
-The shapes are ``llm_engine.prefill_shapes``'s. Decode is warmed for greedy requests with one
+The shapes are ``buckets.prefill_shapes``'s. Decode is warmed for greedy requests with one
 stop id (EOS), at both of the engine's dispatch lengths (``steps_per_dispatch`` and
 ``steps_while_prefilling``) and every row count (``LLMEngine.decode_rows_for``); sampled requests
 and longer stop lists compile on first use.
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged_jax.engine.llm_engine import LLMEngine, prefill_shapes
+from paged_jax.engine.buckets import prefill_shapes
+from paged_jax.engine.llm_engine import LLMEngine
 
 __all__ = ["prefill_shapes", "warm_up"]
 
