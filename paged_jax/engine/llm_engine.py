@@ -49,6 +49,7 @@ from paged_jax.allocator import (
     release,
     share_blocks,
 )
+from paged_jax.allocator.primitives import cdiv
 from paged_jax.engine import events as ev
 from paged_jax.engine.buckets import MIN_PREFILL_WIDTH, pow2_at_least
 from paged_jax.engine.params import (
@@ -422,9 +423,9 @@ class LLMEngine:
     def _evict_for(self, plan: Plan, snap: PoolSnapshot) -> None:
         """Free cached blocks until the plan's new blocks fit in the free list."""
         need = sum(snap.decode_need(s, n) for s, n in plan.decode)
+        bs = self.cache_config.block_size
         for _, start, length in plan.prefill:
-            need += -(-(start + length) // self.cache_config.block_size) - -(
-                -start // self.cache_config.block_size)
+            need += cdiv(start + length, bs) - cdiv(start, bs)
         need += sum(s.fork - 1 for s, start, length in plan.prefill
                     if start + length == len(s.target))
         short = need - int(self.state.num_free)
@@ -590,7 +591,7 @@ class LLMEngine:
             tokens[r], budgets[r], seeds[r] = s.output_ids[-1], n, s.seed
             temps[r], top_k[r], top_p[r] = p.temperature, p.filter_top_k, p.top_p
             stops[r] = sorted(self._stop_ids(p))
-            new_blocks += -(-(s.cached + n) // cfg.block_size) - -(-s.cached // cfg.block_size)
+            new_blocks += cdiv(s.cached + n, cfg.block_size) - cdiv(s.cached, cfg.block_size)
         width = pow2_at_least(max(map(len, stops)), 1, 1 << 30)
         stop_ids = np.full((s_count, width), -1, np.int32)
         for r, ids in enumerate(stops):

@@ -16,14 +16,11 @@ import jax
 import numpy as np
 
 from paged_jax.allocator import BlockState
+from paged_jax.allocator.primitives import cdiv
 from paged_jax.engine.prefix_cache import Lookup, PrefixCache
 from paged_jax.engine.scheduler import Sequence
 
 __all__ = ["PoolSnapshot"]
-
-
-def _blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 @dataclasses.dataclass
@@ -61,7 +58,7 @@ class PoolSnapshot:
 
     def decode_need(self, seq: Sequence, steps: int) -> int:
         bs, length = self.block_size, seq.cached
-        need = _blocks_for(length + steps, bs) - _blocks_for(length, bs)
+        need = cdiv(length + steps, bs) - cdiv(length, bs)
         if length % bs:
             block = self.tables[seq.slot, length // bs]
             need += int(self.ref[block] > 1)  # a copy on write
@@ -76,13 +73,13 @@ class PoolSnapshot:
         return record.hit_tokens
 
     def prefill_need(self, seq: Sequence, upto: int) -> int:
-        need = _blocks_for(upto, self.block_size) - _blocks_for(seq.cached, self.block_size)
+        need = cdiv(upto, self.block_size) - cdiv(seq.cached, self.block_size)
         if seq.slot is None:  # an admission: its hit's evictable blocks leave the free count
             need += sum(b in self.evictable for b in self.hits.get(id(seq), ()))
         return need
 
     def held_alone(self, seq: Sequence) -> int:
-        row = self.tables[seq.slot, : _blocks_for(seq.cached, self.block_size)]
+        row = self.tables[seq.slot, : cdiv(seq.cached, self.block_size)]
         # Freed, or left evictable, where this sequence is the block's only table reference.
         freed = int(sum(self.ref[b] - self.held[b] == 1 for b in row))
         self.ref[row] -= 1
