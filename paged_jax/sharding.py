@@ -17,6 +17,10 @@ Tensor parallel (Megatron-style), ``PARAM_SPECS``:
   once after it);
 * a model that holds its weights ``[in, out]`` (``Linear``'s ``kernel``; ``Llama(in_out=
   True)``, f32 on CPU by default) has the same splits with the axes swapped;
+* fused ``qkv_proj`` and ``gate_up_proj`` (``Llama(fused_projections=True)``, the default on
+  CPU) are column-parallel too: their rows are grouped by KV head (q/k/v) and by column of
+  ``F`` (gate/up), so a contiguous shard holds whole heads of q, k and v, or the same columns
+  of gate and up, as the unfused splits do;
 * embeddings, norms and the lm_head are replicated.
 
 The K/V buffers ``[layers, kv_heads, blocks, block_size, head_dim]`` are ``CACHE_SPEC =
@@ -46,7 +50,7 @@ AXES = (DP, TP)
 
 CACHE_SPEC = P(None, TP)  # [layers, kv_heads / tp, blocks, block_size, head_dim] per shard
 # (module, leaf) -> spec; every other parameter is replicated.
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
 _ROW = ("o_proj", "down_proj")
 PARAM_SPECS = {
     **{(m, "weight"): P(TP, None) for m in _COLUMN},  # [out, in]

@@ -19,7 +19,7 @@ from paged_jax.allocator import CacheConfig, init_state
 from paged_jax.engine import bench, bench_model
 from paged_jax.engine.steps import Steps, serving_params
 from paged_jax.kvcache import init_cache
-from paged_jax.model.llama import init_model
+from paged_jax.model.llama import Llama
 from tests.model_helpers import TINY
 
 ROW = re.compile(r"^\s*(\d+) \|\s*([\d.]+) \|\s*([\d.]+) \|\s*([\d.]+)x\s+(met|not met) \| "
@@ -56,9 +56,12 @@ def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, sm
     top, x, pct = float(floor[1]), float(floor[2]), int(floor[3])
     assert x == pytest.approx(top / theirs, abs=0.01 + 0.05 * top / theirs ** 2)
     assert pct == pytest.approx(100 * ours / top, abs=1.5)
-    # The matmul floor: 7 projections a layer and the vocabulary projection; its batch line's
-    # figures agree with each other and with the table's.
-    assert f"matmul floor: a step's {7 * c.num_layers + 1} matmuls alone" in out
+    # The matmul floor: 7 projections a layer in 4 matmuls (q/k/v and gate/up fused on CPU,
+    # 7 elsewhere) and the vocabulary projection; its batch line's figures agree with each
+    # other and with the table's.
+    assert models.ours.fused_projections == (jax.default_backend() == "cpu")
+    per_layer = 4 if models.ours.fused_projections else 7
+    assert f"matmul floor: a step's {per_layer * c.num_layers + 1} matmuls alone" in out
     mm = re.search(r"batch 2: ([\d.]+) ms, at most ([\d.]+) tok/s, ([\d.]+)x transformers; "
                    r"paged_jax runs at (\d+)% of it", out)
     assert mm, out
@@ -75,6 +78,11 @@ def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, sm
         assert held and float(held[1]) > 0, out
         assert float(held[2]) == pytest.approx(ours / float(held[1]), rel=0.02)
         assert held[3] == "2", out
+    if models.ours.fused_projections:  # and unfused, with the same tokens
+        five = re.search(r"batch 2: ([\d.]+) tok/s; fused ([\d.]+)x that \((\d)/2 rows", out)
+        assert five and float(five[1]) > 0, out
+        assert float(five[2]) == pytest.approx(ours / float(five[1]), rel=0.02)
+        assert five[3] == "2", out
     ids = {(name, row): list(map(int, line.split(":")[1].split()))
            for line in out.splitlines()
            for name in ("paged_jax", "transformers") for row in (0, 1)
@@ -140,7 +148,7 @@ def test_bench_decode_in_bf16_runs_both_sides_on_the_same_rounded_weights(capsys
     theirs = copy.deepcopy(smollm2.theirs).to(torch.bfloat16)
     for name in ("q_proj", "k_proj"):  # the two llama.cpp permutes
         want = getattr(theirs.model.layers[0].self_attn, name).weight.detach().float().numpy()
-        got = getattr(ours.layers[0].self_attn, name).weight.get_value()
+        got = ours.layers[0].self_attn.projection(name).checkpoint_weight().get_value()
         assert got.dtype == "bfloat16" and (got.astype("float32") == want).all(), name
     models = bench_model.Models(smollm2.path, smollm2.tokenizer, ours, theirs)
     with pytest.raises(ValueError, match="--dtype float32 is not the loaded models' bfloat16"):
@@ -161,6 +169,12 @@ def test_bench_decode_in_bf16_runs_both_sides_on_the_same_rounded_weights(capsys
     right = re.search(r"batch 2: ([\d.]+) tok/s; on the left ([\d.]+)x that \((\d)/2 rows", out)
     assert right and float(right[1]) > 0, out
     assert float(right[2]) == pytest.approx(float(rows[0][2]) / float(right[1]), rel=0.02)
+    # bf16 keeps five matmuls a layer; the run times them fused as well.
+    assert not ours.fused_projections
+    other = re.search(r"batch 2: ([\d.]+) tok/s; five matmuls ([\d.]+)x that \((\d)/2 rows",
+                      out)
+    assert other and float(other[1]) > 0, out
+    assert float(other[2]) == pytest.approx(float(rows[0][2]) / float(other[1]), rel=0.02)
     once = re.search(r"batch 2: ([\d.]+) tok/s; made once ([\d.]+)x that \((\d)/2 rows", out)
     assert once and float(once[1]) > 0, out
     assert float(once[2]) == pytest.approx(float(rows[0][2]) / float(once[1]), rel=0.02)
@@ -190,22 +204,24 @@ def batch_free_dots(jaxpr: jex.Jaxpr, found: collections.Counter) -> collections
     return found
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "five"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_matmul_floor_makes_exactly_the_decode_steps_projections(dtype, batch):
+def test_matmul_floor_makes_exactly_the_decode_steps_projections(dtype, batch, fused):
     """``step_matmuls`` (what ``MatmulFloor`` times) makes the same matmuls as the
     ``decode_step`` it bounds: the same operand shapes, layouts and dtypes, as many of each
     (a bf16 row padded to two, the weight on the left, included). The reference is the
-    decode step's own jaxpr."""
+    decode step's own jaxpr. Fused, a layer makes four matmuls rather than seven."""
     cfg = dataclasses.replace(TINY, dtype=dtype)
-    model = init_model(cfg)
+    model = Llama(cfg, rngs=nnx.Rngs(0), fused_projections=fused)
     graphdef, state = nnx.split(model)
     cache = CacheConfig(num_blocks=8, block_size=16, max_seqs=batch, max_blocks_per_seq=2)
     step = Steps(graphdef).decode_step_jit.trace(
         serving_params(model), init_cache(cfg, cache), init_state(cache),
         jnp.zeros((batch,), jnp.int32), impl="xla", interpret=False)
     want = batch_free_dots(step.jaxpr.jaxpr, collections.Counter())
-    assert sum(want.values()) == 7 * cfg.num_layers + 1
+    assert sum(want.values()) == (4 if fused else 7) * cfg.num_layers + 1
+    assert bench_model.matmuls_per_step(model) == sum(want.values())
     x = jnp.zeros((batch, 1, cfg.hidden_size), cfg.jnp_dtype)
     floor = jax.make_jaxpr(lambda s, x: bench_model.step_matmuls(nnx.merge(graphdef, s), x))
     assert batch_free_dots(floor(state, x).jaxpr, collections.Counter()) == want

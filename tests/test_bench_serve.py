@@ -48,7 +48,7 @@ def test_sweep_in_bf16_serves_the_same_rounded_weights(tiny_hf_dir, tmp_path, ca
     assert theirs.dtype == torch.bfloat16
     for name in ("q_proj", "o_proj"):
         want = getattr(theirs.model.layers[1].self_attn, name).weight.detach().float().numpy()
-        got = getattr(ours.layers[1].self_attn, name).weight.get_value()
+        got = ours.layers[1].self_attn.projection(name).checkpoint_weight().get_value()
         assert got.dtype == "bfloat16" and (got.astype("float32") == want).all(), name
     with pytest.raises(ValueError, match="--dtype float32 is not the loaded model's bfloat16"):
         bench_serve.main(["--model", str(tiny_hf_dir)], loaded=(ours, tok, theirs))

@@ -72,7 +72,8 @@ def test_bfloat16_checkpoint_loads_as_bfloat16(source, tmp_path):
     write_checkpoint(tmp_path, tensors, {**HF_CONFIG, "dtype": "bfloat16"})
     model = load_checkpoint(tmp_path)
     assert model.config.dtype == "bfloat16"
-    assert model.layers[0].self_attn.q_proj.weight.get_value().dtype == jnp.bfloat16
+    q = model.layers[0].self_attn.projection("q_proj").checkpoint_weight()
+    assert q.get_value().dtype == jnp.bfloat16
     # Against the same bf16-rounded weights run in f32.
     f32 = load_checkpoint(tmp_path, dtype="float32")
     seq = np.arange(1, 20) * 7 % 256

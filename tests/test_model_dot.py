@@ -15,6 +15,7 @@ from paged_jax.model.llama import (
     Linear,
     Llama,
     dense_dot_general,
+    fused_default,
     in_out_default,
     project,
 )
@@ -151,6 +152,84 @@ def test_one_seed_one_model_in_either_layout(tied):
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
+def test_fused_projections_are_the_default_for_f32_on_cpu_only():
+    assert fused_default(jnp.float32, "cpu")
+    assert not fused_default(jnp.bfloat16, "cpu") and not fused_default(jnp.float32, "gpu")
+    for config in (TINY, TINY.replace(dtype="bfloat16")):
+        model = init_model(config)
+        want = config.dtype == "float32" and jax.default_backend() == "cpu"
+        assert model.fused_projections == want
+        assert hasattr(model.layers[0].self_attn, "qkv_proj") == want
+        assert hasattr(model.layers[0].mlp, "gate_up_proj") == want
+
+
+@pytest.mark.parametrize("in_out", [False, True], ids=["weight", "kernel"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_one_seed_one_model_fused_or_not(bias, in_out):
+    """The same seed draws the same weights fused or not (seen through ``hf_parameter_map``,
+    the checkpoints' names and shapes; the fused ones through ``PartParam`` views), and the
+    two forward passes agree to f32 summation order. Biases (Qwen2's q/k/v) are set to
+    distinct values through the views first, so their split is checked too."""
+    config = TINY.replace(qkv_bias=bias, mlp_bias=bias)
+    models = [Llama(config, rngs=nnx.Rngs(3), in_out=in_out, fused_projections=flag)
+              for flag in (False, True)]
+    assert not hasattr(models[1].layers[0].self_attn, "q_proj")
+    params = [hf_parameter_map(m) for m in models]
+    assert params[0].keys() == params[1].keys()
+    rng = np.random.default_rng(4)
+    for name in params[0]:
+        if name.endswith(".bias"):
+            value = rng.normal(size=params[0][name].get_value().shape).astype(np.float32)
+            for p in params:
+                p[name].set_value(jnp.asarray(value))
+        np.testing.assert_array_equal(np.asarray(params[0][name].get_value()),
+                                      np.asarray(params[1][name].get_value()), err_msg=name)
+    tokens = jnp.asarray(np.arange(12).reshape(2, 6) * 37 % 256, jnp.int32)
+    out, ref = (np.asarray(m(tokens)[0], np.float64) for m in models)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("in_out", [False, True], ids=["weight", "kernel"])
+def test_fused_linear_interleaves_its_parts_by_group(in_out):
+    """A ``Linear`` of parts ``(4, 2, 2)`` in 2 groups holds its ``[out, in]`` rows as
+    ``[p0 rows 0-1, p1 row 0, p2 row 0, p0 rows 2-3, p1 row 1, p2 row 1]``; ``split`` of its
+    output is each part's ``x @ w_i.T + b_i`` (float64 numpy). In an abstract layer (as a
+    loader finds it) a part never set reads NaN, and setting each part fills the whole."""
+    kw = dict(use_bias=True, dtype=jnp.float32, groups=2, in_out=in_out)
+    lin = Linear(6, (4, 2, 2), rngs=nnx.Rngs(0), **kw)
+    rng = np.random.default_rng(5)
+    ws = [rng.normal(size=(n, 6)).astype(np.float32) for n in (4, 2, 2)]
+    bs = [rng.normal(size=n).astype(np.float32) for n in (4, 2, 2)]
+    for i, (w, b) in enumerate(zip(ws, bs, strict=True)):
+        lin.part(i).checkpoint_weight().set_value(w)
+        lin.part(i).bias.set_value(b)
+    want = np.concatenate([ws[0][:2], ws[1][:1], ws[2][:1], ws[0][2:], ws[1][1:], ws[2][1:]])
+    np.testing.assert_array_equal(np.asarray(lin.checkpoint_weight().get_value()), want)
+    for i, w in enumerate(ws):
+        np.testing.assert_array_equal(np.asarray(lin.part(i).checkpoint_weight().get_value()), w)
+    x = rng.normal(size=(3, 6)).astype(np.float32)
+    for got, w, b in zip(lin.split(lin(jnp.asarray(x))), ws, bs, strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float64),
+                                   x.astype(np.float64) @ w.T.astype(np.float64) + b,
+                                   rtol=1e-6, atol=1e-6)
+    abstract = nnx.eval_shape(lambda: Linear(6, (4, 2, 2), rngs=nnx.Rngs(0), **kw))
+    abstract.part(1).checkpoint_weight().set_value(ws[1])
+    half = np.asarray(abstract.checkpoint_weight().get_value())
+    assert np.isnan(half).sum() == 6 * 6 and not np.isnan(half[[2, 6]]).any()
+    for i in (0, 2):
+        abstract.part(i).checkpoint_weight().set_value(ws[i])
+    np.testing.assert_array_equal(np.asarray(abstract.checkpoint_weight().get_value()), want)
+
+
+def test_fused_linear_and_projection_refuse_bad_arguments():
+    with pytest.raises(ValueError, match=r"groups=3 must divide every part of out_features "
+                                         r"\(4, 2, 2\)"):
+        Linear(6, (4, 2, 2), use_bias=False, dtype=jnp.float32, rngs=nnx.Rngs(0), groups=3)
+    attn = init_model(TINY).layers[0].self_attn
+    with pytest.raises(ValueError, match="Attention has no projection 'x_proj'"):
+        attn.projection("x_proj")
+
+
 def test_one_row_equals_that_row_of_a_two_row_product():
     """On CPU a single row goes through a two-row dot; its result is that dot's row."""
     rng = np.random.default_rng(7)
@@ -204,9 +283,10 @@ def test_cpu_16bit_paths_change_speed_not_values():
     tokens = jnp.asarray(np.arange(12).reshape(2, 6) * 37 % 256, jnp.int32)
     np.testing.assert_array_equal(np.asarray(fast.embed(tokens), np.float32),
                                   np.asarray(fast.embed_tokens(tokens), np.float32))
-    # [out, in] weights, the state's structure of the bf16 model's (f32 on CPU holds them
-    # [in, out] by default).
-    f32 = Llama(TINY.replace(tie_word_embeddings=True), rngs=nnx.Rngs(0), in_out=False)
+    # [out, in] weights and five matmuls a layer, the state's structure of the bf16 model's
+    # (f32 on CPU holds them [in, out] and fused by default).
+    f32 = Llama(TINY.replace(tie_word_embeddings=True), rngs=nnx.Rngs(0), in_out=False,
+                fused_projections=False)
     nnx.update(f32, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(fast)))
     seq = np.arange(1, 20) * 7 % 256
     ref = dense_logits(*nnx.split(f32), seq)

@@ -56,9 +56,10 @@ def test_q_and_k_rows_are_unpermuted_per_head(models):
     reader = open_gguf(PATH)
     tensors = {t.name: t for t in reader.tensors}
     model = models[0]
+    attn = model.layers[0].self_attn
     for name, heads, ours in (
-        ("blk.0.attn_q.weight", 9, model.layers[0].self_attn.q_proj.checkpoint_weight()),
-        ("blk.0.attn_k.weight", 3, model.layers[0].self_attn.k_proj.checkpoint_weight()),
+        ("blk.0.attn_q.weight", 9, attn.projection("q_proj").checkpoint_weight()),
+        ("blk.0.attn_k.weight", 3, attn.projection("k_proj").checkpoint_weight()),
     ):
         raw = dequantize_tensor(tensors[name])  # [out, in] as the file stores it
         loaded = np.asarray(ours.get_value())
@@ -184,6 +185,6 @@ def test_load_gguf_takes_an_open_reader(tmp_path):
     assert open_gguf(reader) is reader
     model = load_gguf(reader, "bfloat16")
     assert model.config.dtype == "bfloat16"
-    up = model.layers[0].mlp.up_proj.checkpoint_weight()
+    up = model.layers[0].mlp.projection("up_proj").checkpoint_weight()
     np.testing.assert_array_equal(np.asarray(up.get_value()), 1)
 

@@ -176,21 +176,23 @@ def test_llm_engine_greedy_matches_transformers_generate(case, tmp_path):
         check_greedy(np.asarray(out.outputs[0].token_ids), theirs, logits, f"{case} engine")
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["three", "gate_up"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_mlp_activation_rounds_as_transformers_does(dtype):
+def test_mlp_activation_rounds_as_transformers_does(dtype, fused):
     """``MLP`` against transformers' ``LlamaMLP`` with identity projections, so that every
     dot is exact and what is compared is the SwiGLU between them: PyTorch computes a 16-bit
-    SiLU in f32 and rounds once, and so must we, bit for bit."""
+    SiLU in f32 and rounds once, and so must we, bit for bit; with gate and up fused into one
+    matmul (each set through its ``projection`` view) as well."""
     from paged_jax.model.config import ModelConfig
     from paged_jax.model.llama import MLP
 
     width = 64
     cfg = ModelConfig(vocab_size=8, hidden_size=width, intermediate_size=width, num_layers=1,
                       num_heads=1, num_kv_heads=1, head_dim=width, dtype=dtype)
-    ours = MLP(cfg, rngs=nnx.Rngs(0))
+    ours = MLP(cfg, rngs=nnx.Rngs(0), fused=fused)
     eye = np.eye(width, dtype=np.float32)
-    for proj in (ours.gate_proj, ours.up_proj, ours.down_proj):
-        proj.checkpoint_weight().set_value(jnp.asarray(eye, cfg.jnp_dtype))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        ours.projection(name).checkpoint_weight().set_value(jnp.asarray(eye, cfg.jnp_dtype))
     theirs = transformers.models.llama.modeling_llama.LlamaMLP(transformers.LlamaConfig(
         hidden_size=width, intermediate_size=width, hidden_act="silu", mlp_bias=False))
     torch_dtype = getattr(torch, dtype)

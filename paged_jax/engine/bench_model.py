@@ -319,19 +319,27 @@ class WeightRead:
 
 
 def step_matmuls(model: Llama, x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
-    """A decode step's matmuls and nothing else: for ``x`` ``[B, 1, E]``, every layer's seven
-    projections through the model's own ``Linear`` modules (so in the layouts, and with the
-    weight on the left where, ``project`` puts it), then the vocabulary projection
+    """A decode step's matmuls and nothing else: for ``x`` ``[B, 1, E]``, every layer's
+    projections through the model's own ``Linear`` modules (so in the layouts, with the
+    weight on the left where ``project`` puts it, and fused where the model fuses them:
+    ``matmuls_per_step``), then the vocabulary projection
     (``Llama.logits``). Each layer's input is the last one's output, as in a step, joined by
     adds alone: no norm, RoPE, attention or SiLU. Returns ``(logits [B, 1, V] f32, [k, v]
     of every layer)``; the values mean nothing, the time is the point (``MatmulFloor``)."""
     kv = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        kv += [attn.k_proj(x), attn.v_proj(x)]
-        h = x + attn.o_proj(attn.q_proj(x))
-        x = h + mlp.down_proj(mlp.gate_proj(h) + mlp.up_proj(h))
+        q, k, v = attn.qkv(x)
+        kv += [k, v]
+        h = x + attn.o_proj(q)
+        x = h + mlp.down_proj(sum(mlp.gate_up(h)))
     return model.logits(x), kv
+
+
+def matmuls_per_step(model: Llama) -> int:
+    """How many matmuls ``step_matmuls`` makes: seven per layer, four with fused
+    projections, and the vocabulary projection."""
+    return (4 if model.fused_projections else 7) * model.config.num_layers + 1
 
 
 class MatmulFloor:
@@ -517,6 +525,9 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
                 sides["out_in"] = PagedRunner(rebuilt(ours, in_out=False), prompts, args.tokens,
                                               args.steps_per_dispatch, args.block_size,
                                               args.impl)
+            sides["other_fusion"] = PagedRunner(
+                rebuilt(ours, fused_projections=not ours.fused_projections), prompts,
+                args.tokens, args.steps_per_dispatch, args.block_size, args.impl)
             ids = {name: side.run()[0] for name, side in sides.items()}  # warm-up, compile
             matmuls = MatmulFloor(ours, batch, args.steps_per_dispatch)
             matmuls.run()  # compile
@@ -556,15 +567,25 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
         top = batch / read
         print(f"  batch {batch}: at most {top:.1f} tok/s, {top / rates['transformers']:.2f}x "
               f"transformers; paged_jax runs at {rates['paged_jax'] / top:.0%} of it")
-    print(f"matmul floor: a step's {7 * cfg.num_layers + 1} matmuls alone (every layer's seven "
-          f"projections and the vocabulary projection, as paged_jax computes them, joined by "
-          f"adds, {args.steps_per_dispatch} steps per dispatch as decode_steps runs them; fastest "
+    fused = " in four matmuls (q/k/v and gate/up fused)" if ours.fused_projections else ""
+    print(f"matmul floor: a step's {matmuls_per_step(ours)} matmuls alone (every layer's seven "
+          f"projections{fused} and the vocabulary projection, as paged_jax computes them, "
+          f"joined by adds, {args.steps_per_dispatch} steps per dispatch as decode_steps runs "
+          f"them; fastest "
           f"of {args.rounds}), so a step of B rows is at most B / that:")
     for batch, rates, _, _ in results:
         top = batch / matmul_floor[batch]
         print(f"  batch {batch}: {1e3 * matmul_floor[batch]:.1f} ms, at most {top:.1f} tok/s, "
               f"{top / rates['transformers']:.2f}x transformers; paged_jax runs at "
               f"{rates['paged_jax'] / top:.0%} of it")
+    if ours.fused_projections:
+        print_ablation(results, "other_fusion", "fused",
+                       "paged_jax with q/k/v and gate/up as five matmuls per layer "
+                       "(fused_projections=False; fused, the default for f32 on CPU):")
+    else:
+        print_ablation(results, "other_fusion", "five matmuls",
+                       "paged_jax with q/k/v and gate/up fused into two matmuls per layer "
+                       "(fused_projections=True; five, the default here):")
     if ours.in_out:
         print_ablation(results, "out_in", "[in, out]",
                        "paged_jax with every projection's weight held [out, in] (in_out=False; "

@@ -18,7 +18,14 @@ from flax import nnx
 from safetensors import safe_open
 
 from paged_jax.model.config import ModelConfig
-from paged_jax.model.llama import Linear, Llama, TransposedParam, abstract_model
+from paged_jax.model.llama import (
+    Linear,
+    LinearPart,
+    Llama,
+    PartParam,
+    TransposedParam,
+    abstract_model,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some older exports contain; they are recomputed, never loaded.
@@ -29,18 +36,19 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model: names the tensor and the shapes."""
 
 
-def hf_parameter_map(model: Llama) -> dict[str, nnx.Variable | TransposedParam]:
+def hf_parameter_map(model: Llama) -> dict[str, nnx.Variable | TransposedParam | PartParam]:
     """Hugging Face tensor name -> our parameter, seen in the same shape (a ``Linear``'s
-    ``checkpoint_weight()``: PyTorch's ``[out, in]``, whatever layout the model holds).
-    Each value has ``get_value()`` and ``set_value()``."""
-    out: dict[str, nnx.Variable | TransposedParam] = {
+    ``checkpoint_weight()``: PyTorch's ``[out, in]``, whatever layout the model holds, and
+    a fused projection's part as ``PartParam`` views). Each value has ``get_value()`` and
+    ``set_value()``."""
+    out: dict[str, nnx.Variable | TransposedParam | PartParam] = {
         "model.embed_tokens.weight": model.embed_tokens.embedding,
         "model.norm.weight": model.norm.scale,
     }
     if model.lm_head is not None:
         out["lm_head.weight"] = model.lm_head.checkpoint_weight()
 
-    def linear(prefix: str, lin: Linear):
+    def linear(prefix: str, lin: Linear | LinearPart):
         out[prefix + ".weight"] = lin.checkpoint_weight()
         if lin.bias is not None:
             out[prefix + ".bias"] = lin.bias
@@ -50,9 +58,9 @@ def hf_parameter_map(model: Llama) -> dict[str, nnx.Variable | TransposedParam]:
         out[f"{p}.input_layernorm.weight"] = layer.input_layernorm.scale
         out[f"{p}.post_attention_layernorm.weight"] = layer.post_attention_layernorm.scale
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            linear(f"{p}.self_attn.{name}", getattr(layer.self_attn, name))
+            linear(f"{p}.self_attn.{name}", layer.self_attn.projection(name))
         for name in ("gate_proj", "up_proj", "down_proj"):
-            linear(f"{p}.mlp.{name}", getattr(layer.mlp, name))
+            linear(f"{p}.mlp.{name}", layer.mlp.projection(name))
     return out
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from paged_jax.model.checkpoint import CheckpointError
 from paged_jax.model.config import DTYPES, ModelConfig
-from paged_jax.model.llama import Linear, Llama, abstract_model
+from paged_jax.model.llama import MLP, Attention, Linear, LinearPart, Llama, abstract_model
 
 # llama.cpp name (per layer, after "blk.{i}.") -> our parameter's path. Matrices are [out,
 # in] in both (numpy's order; GGUF lists the dimensions reversed).
@@ -127,13 +127,17 @@ def dequantize_tensor(tensor) -> np.ndarray:
 
 
 def _resolve(model: Llama, path: str):
-    """The parameter at ``path`` (``layers.0.self_attn.q_proj.weight``); a ``Linear``'s
-    ``weight`` is its ``checkpoint_weight()``, ``[out, in]`` whatever layout it holds."""
+    """The parameter at ``path`` (``layers.0.self_attn.q_proj.weight``: a projection by its
+    checkpoint name, fused or not, through ``projection``); a ``Linear``'s ``weight`` is its
+    ``checkpoint_weight()``, ``[out, in]`` whatever layout it holds."""
     target = model
     for part in path.split("."):
-        if part == "weight" and isinstance(target, Linear):
+        if part == "weight" and isinstance(target, Linear | LinearPart):
             return target.checkpoint_weight()
-        target = target[int(part)] if part.isdigit() else getattr(target, part)
+        if isinstance(target, Attention | MLP):
+            target = target.projection(part)
+        else:
+            target = target[int(part)] if part.isdigit() else getattr(target, part)
     return target
 
 

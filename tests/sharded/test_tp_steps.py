@@ -87,26 +87,57 @@ def test_pallas_kernel_runs_per_shard_in_interpret_mode(model, reference):
     assert_same(got, reference)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["five", "fused"])
 @pytest.mark.parametrize("in_out", [False, True], ids=["weight", "kernel"])
-def test_param_specs_are_megatron_style(in_out):
+def test_param_specs_are_megatron_style(in_out, fused):
     """q/k/v and gate/up split over their outputs, o and down over their inputs: the first
-    axis of an ``[out, in]`` weight, the second of an ``[in, out]`` kernel, and back."""
-    params = nnx.to_pure_dict(nnx.state(Llama(GQA, rngs=nnx.Rngs(1), in_out=in_out)))
+    axis of an ``[out, in]`` weight, the second of an ``[in, out]`` kernel, and back. Fused,
+    each shard of ``qkv_proj`` holds whole KV heads with their query heads, and each shard of
+    ``gate_up_proj`` the gate and up columns of the same slice of ``F``: checked against the
+    unsharded projections' slices."""
+    model = Llama(GQA, rngs=nnx.Rngs(1), in_out=in_out, fused_projections=fused)
+    params = nnx.to_pure_dict(nnx.state(model))
     specs = sharding.param_specs(params)
     attn, mlp = specs["layers"][0]["self_attn"], specs["layers"][0]["mlp"]
     leaf = "kernel" if in_out else "weight"
     out_axis = P(None, "tp") if in_out else P("tp", None)
     in_axis = P("tp", None) if in_out else P(None, "tp")
-    for name in ("q_proj", "k_proj", "v_proj"):
+    column = (("qkv_proj",), ("gate_up_proj",)) if fused else (
+        ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+    for name in column[0]:
         assert attn[name][leaf] == out_axis
+    for name in column[1]:
+        assert mlp[name][leaf] == out_axis
     assert attn["o_proj"][leaf] == in_axis
-    assert mlp["gate_proj"][leaf] == mlp["up_proj"][leaf] == out_axis
     assert mlp["down_proj"][leaf] == in_axis
     assert specs["embed_tokens"]["embedding"] == specs["lm_head"][leaf] == P()
     placed = sharding.shard_params(params, mesh((4,)))
-    q = placed["layers"][0]["self_attn"]["q_proj"][leaf]  # [Hq * D, E] or [E, Hq * D]
-    shard = (2 * GQA.head_dim, GQA.hidden_size)
-    assert {s.data.shape for s in q.addressable_shards} == {shard[::-1] if in_out else shard}
+    if not fused:
+        q = placed["layers"][0]["self_attn"]["q_proj"][leaf]  # [Hq * D, E] or [E, Hq * D]
+        shard = (2 * GQA.head_dim, GQA.hidden_size)
+        assert {s.data.shape for s in q.addressable_shards} == {shard[::-1] if in_out else shard}
+        return
+    # The reference: the same seed drawn unfused (the same values, part by part).
+    plain = Llama(GQA, rngs=nnx.Rngs(1), in_out=in_out, fused_projections=False).layers[0]
+    d = GQA.head_dim
+    for key, fused_name, parts, width in (
+        ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj"),
+         ((GQA.num_heads // GQA.num_kv_heads) * d, d, d)),  # rows per KV head
+        ("mlp", "gate_up_proj", ("gate_proj", "up_proj"), (1, 1)),  # rows per F column
+    ):
+        weights = [np.asarray(getattr(getattr(plain, key), name).checkpoint_weight()
+                              .get_value()) for name in parts]  # [n_i, E] each
+        groups = weights[0].shape[0] // width[0]
+        shards = sorted(placed["layers"][0][key][fused_name][leaf].addressable_shards,
+                        key=lambda s: s.index[1 if in_out else 0].start)
+        assert len(shards) == 4
+        for i, s in enumerate(shards):
+            got = np.asarray(s.data).T if in_out else np.asarray(s.data)  # [rows, E]
+            # Shard i: its quarter of the groups, each group's rows of every part in turn.
+            want = np.concatenate([w[g * n:(g + 1) * n]
+                                   for g in range(i * groups // 4, (i + 1) * groups // 4)
+                                   for w, n in zip(weights, width, strict=True)])
+            np.testing.assert_array_equal(got, want, err_msg=f"{fused_name} shard {i}")
 
 
 def shard_pointers(kv):
