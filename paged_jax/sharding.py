@@ -17,8 +17,8 @@ Tensor parallel (Megatron-style), ``PARAM_SPECS``:
   once after it);
 * a model that holds its weights ``[in, out]`` (``Linear``'s ``kernel``; ``Llama(in_out=
   True)``, f32 on CPU by default) has the same splits with the axes swapped;
-* fused ``qkv_proj`` and ``gate_up_proj`` (``Llama(fused_projections=True)``, the default on
-  CPU) are column-parallel too: their rows are grouped by KV head (q/k/v) and by column of
+* fused ``qkv_proj`` and ``gate_up_proj`` (``Llama(fused_projections=True)``, the default for
+  f32 on CPU) are column-parallel too: their rows are grouped by KV head (q/k/v) and by column of
   ``F`` (gate/up), so a contiguous shard holds whole heads of q, k and v, or the same columns
   of gate and up, as the unfused splits do;
 * embeddings, norms and the lm_head are replicated.

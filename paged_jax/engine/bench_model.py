@@ -571,8 +571,7 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
     print(f"matmul floor: a step's {matmuls_per_step(ours)} matmuls alone (every layer's seven "
           f"projections{fused} and the vocabulary projection, as paged_jax computes them, "
           f"joined by adds, {args.steps_per_dispatch} steps per dispatch as decode_steps runs "
-          f"them; fastest "
-          f"of {args.rounds}), so a step of B rows is at most B / that:")
+          f"them; fastest of {args.rounds}), so a step of B rows is at most B / that:")
     for batch, rates, _, _ in results:
         top = batch / matmul_floor[batch]
         print(f"  batch {batch}: {1e3 * matmul_floor[batch]:.1f} ms, at most {top:.1f} tok/s, "
