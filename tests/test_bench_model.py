@@ -27,11 +27,13 @@ ROW = re.compile(r"^\s*(\d+) \|\s*([\d.]+) \|\s*([\d.]+) \|\s*([\d.]+)x\s+(met|n
 
 
 def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, smollm2):
-    """Batch 2, two chat prompts of different lengths: a ragged paged batch."""
+    """Batch 2, two chat prompts of different lengths: a ragged paged batch; also in tables
+    of 512 tokens, read by context width and whole."""
     tokens = 8
     models = smollm2  # loaded once for the session: the benchmark, the reference, other tests
     assert bench_model.main(["--batch", "2", "--tokens", str(tokens), "--rounds", "1",
-                             "--prefill-tokens", "48", "--show-tokens"], models=models) == 0
+                             "--prefill-tokens", "48", "--table-tokens", "512",
+                             "--show-tokens"], models=models) == 0
     out = capsys.readouterr().out
     rows = [m for m in map(ROW.match, out.splitlines()) if m]
     assert len(rows) == 1, out
@@ -83,9 +85,22 @@ def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, sm
         assert five and float(five[1]) > 0, out
         assert float(five[2]) == pytest.approx(ours / float(five[1]), rel=0.02)
         assert five[3] == "2", out
+    # In 512-token tables: the wide table by context width against the whole, and the tight
+    # table against it, each ratio from the rates printed; the same tokens on all three.
+    wide = re.search(r"batch 2: ([\d.]+) tok/s reading the columns that cover the rows \(the "
+                     r"default: 256 tokens, doubled as needed\), ([\d.]+) tok/s reading the "
+                     r"whole table "
+                     r"\(context_bucket_tokens=0\): by context width ([\d.]+)x that; the "
+                     r"tight table ([\d.]+)x the wide one \((\d)/2 rows token-equal\)", out)
+    assert wide and "block tables of 512 tokens" in out, out
+    by_width, whole, x, tight = map(float, wide.groups()[:4])
+    assert x == pytest.approx(by_width / whole, rel=0.02)
+    assert tight == pytest.approx(ours / by_width, rel=0.02)
+    assert wide[5] == "2", out
+    sides = ("paged_jax", "transformers", "wide_table", "wide_table_whole")
     ids = {(name, row): list(map(int, line.split(":")[1].split()))
            for line in out.splitlines()
-           for name in ("paged_jax", "transformers") for row in (0, 1)
+           for name in sides for row in (0, 1)
            if line.startswith(f"batch 2 row {row} {name}:")}
 
     prompts = bench_model.prompt_ids(models.tokenizer, 2)
@@ -98,8 +113,8 @@ def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, sm
             for _ in range(tokens + 1):
                 seq.append(int(models.theirs(torch.tensor([seq])).logits[0, -1].argmax()))
         ref = seq[len(prompt):]
-        assert ids["paged_jax", row] == ref, row
-        assert ids["transformers", row] == ref, row
+        for name in sides:
+            assert ids[name, row] == ref, (name, row)
     assert int(agree) == 2
 
     # The prefill line: its ratios from the times printed, every side's first new token the
@@ -110,13 +125,22 @@ def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, sm
                     r"fastest of 1: paged_jax ([\d.]+) ms, transformers ([\d.]+) ms "
                     r"\(([\d.]+)x\); first new token the same on all sides", out)
     assert pre, out
+
+    def check_ratio(x, num_ms, den_ms):  # times printed to 0.05 ms, the ratio to 0.005
+        assert x == pytest.approx(num_ms / den_ms, abs=0.01 + 0.1 * num_ms / den_ms ** 2)
+
     ours_ms, theirs_ms, x = map(float, pre.groups())
-    assert x == pytest.approx(theirs_ms / ours_ms, abs=0.01 + 0.1 * theirs_ms / ours_ms ** 2)
+    check_ratio(x, theirs_ms, ours_ms)
     ablation = re.search(r"kv_head_attention=False\): ([\d.]+) ms; a pair of dots per KV head "
                          r"([\d.]+)x that", out)
     assert ablation, out
-    assert float(ablation[2]) == pytest.approx(float(ablation[1]) / ours_ms,
-                                               abs=0.01 + 0.1 * float(ablation[1]) / ours_ms ** 2)
+    check_ratio(float(ablation[2]), float(ablation[1]), ours_ms)
+    wide_pre = re.search(r"the same prefill in a block table of 512 tokens: ([\d.]+) ms by "
+                         r"context width, ([\d.]+) ms reading the whole table "
+                         r"\(context_bucket_tokens=0\): by context width ([\d.]+)x faster", out)
+    assert wide_pre, out
+    by_width_ms, whole_ms, x = map(float, wide_pre.groups())
+    check_ratio(x, whole_ms, by_width_ms)
     with torch.inference_mode():
         first = int(models.theirs(torch.tensor([prompt])).logits[0, -1].argmax())
     got = bench_model.PagedRunner(models.ours, [prompt], 0, 1, 16, "auto").first_token()[0]
@@ -128,6 +152,7 @@ def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, sm
                          r"\. Got 12\."),
     (["--batch", "1", "9"], r"--batch sizes must be in 1\.\.8\. Got \[9\]\."),
     (["--prefill-tokens", "-1"], r"--prefill-tokens must be >= 0\. Got -1\."),
+    (["--table-tokens", "-5"], r"--table-tokens must be >= 0\. Got -5\."),
     (["--checkpoint", "/nonexistent/model.gguf"], r"/nonexistent/model\.gguf does not exist"),
 ])
 def test_bench_decode_hands_a_real_model_to_bench_model_which_checks_its_flags(args, message):
@@ -154,7 +179,8 @@ def test_bench_decode_in_bf16_runs_both_sides_on_the_same_rounded_weights(capsys
     with pytest.raises(ValueError, match="--dtype float32 is not the loaded models' bfloat16"):
         bench_model.main(["--batch", "1"], models=models)
     assert bench_model.main(["--batch", "2", "--tokens", "8", "--rounds", "1",
-                             "--dtype", "bfloat16", "--prefill-tokens", "0"], models=models) == 0
+                             "--dtype", "bfloat16", "--prefill-tokens", "0",
+                             "--table-tokens", "0"], models=models) == 0
     out = capsys.readouterr().out
     assert "prefill of one" not in out
     assert "bfloat16 on both sides" in out

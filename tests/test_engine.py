@@ -18,6 +18,7 @@ from paged_jax.engine.llm import LLM
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.steps import Steps
+from paged_jax.kernels import strategies
 from paged_jax.model import init_model
 from tests.compile_log import logged_compiles
 from tests.model_helpers import DENSE_LEN, TINY, dense_logits
@@ -111,6 +112,28 @@ def test_greedy_outputs_equal_the_dense_reference(model, steps, reference, kwarg
     assert stats.running == stats.waiting == 0
     assert stats.blocks_used == stats.blocks_cached
     assert (stats.blocks_cached > 0) == llm.engine.enable_prefix_caching
+
+
+def test_narrow_tables_give_the_dense_reference(model, reference, monkeypatch):
+    """Attention over the table's first columns only: with ``context_bucket_tokens=8`` the
+    prefill and decode steps read 1, 2, 4 or 8 of the 8 blocks of 8 tokens, whichever covers
+    the longest row, in chunked prefills, K-step dispatches and single steps. Every width is
+    compiled in (the spy sees the switch traced with all four), no dispatch hoists its
+    context (a table of several widths gathers per step), and the greedy outputs are the
+    dense reference's."""
+    traced, hoisted = [], []
+    real, real_hoisted = strategies.by_context_width, strategies.hoisted
+    monkeypatch.setattr(strategies, "by_context_width",
+                        lambda lens, bs, widths, attend: traced.append(widths)
+                        or real(lens, bs, widths, attend))
+    monkeypatch.setattr(strategies, "hoisted", lambda *a: hoisted.append(1) or real_hoisted(*a))
+    narrow = Steps(nnx.split(model)[0], context_bucket_tokens=8)
+    prompts = prompts_of(LENS, seed=4)
+    llm = engine(model, narrow, steps_per_dispatch=3)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert token_ids(outs) == [[reference(p, 12)] for p in prompts]
+    assert traced and all(w == (1, 2, 4, 8) for w in traced)
+    assert not hoisted
 
 
 @pytest.mark.parametrize("by_width", [True, False])

@@ -18,6 +18,12 @@ In f32 on CPU, where the model holds its projections' weights ``[in, out]``
 (``Llama(in_out=...)``), it also times paged_jax with them ``[out, in]``, the checkpoints'
 layout.
 
+The main runs' block tables hold just the rows' own length. Unless ``--table-tokens 0``,
+paged_jax also decodes (and prefills, below) in tables of ``--table-tokens`` (2,048 by
+default: a server's ``max_model_len``), twice: reading the columns that cover the rows, as
+``Steps`` does by default (``kernels.strategies.context_widths``), and reading the whole
+table in every step (``context_bucket_tokens=0``).
+
 What is timed, on both sides, is decode only. Each round starts afresh: the prompts are
 prefilled (untimed), giving every row its first new token on the host; then the clock runs
 over ``--tokens`` decode steps per row, each consuming the previous token and producing the
@@ -48,7 +54,8 @@ new token is on the host: paged_jax's ``Steps.prefill`` into a fresh pool, trans
 forward that fills a ``DynamicCache``, and paged_jax again with prefill attention through
 ``jax.nn.dot_product_attention`` (``Llama(kv_head_attention=False)``), the baseline of its
 pair of dots per KV head (``paged_jax.model.llama.masked_attention``). Fastest of
-``--rounds`` interleaved rounds after a compiling one; the three first tokens are compared.
+``--rounds`` interleaved rounds after a compiling one; the first tokens are compared. With
+``--table-tokens``, paged_jax's prefill runs in the wide tables too, both ways.
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.allocator import CacheConfig, init_state
-from paged_jax.engine.steps import Steps, pad_prompts, serving_params
+from paged_jax.engine.steps import CONTEXT_BUCKET_TOKENS, Steps, pad_prompts, serving_params
 from paged_jax.kvcache import init_cache, plan_blocks, write
 from paged_jax.model import load_checkpoint
 from paged_jax.model.checkpoint import hf_parameter_map
@@ -110,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-tokens", type=int, default=256,
                    help="also time one prompt of this many tokens through each side's "
                         "prefill (0: skip)")
+    p.add_argument("--table-tokens", type=int, default=2048,
+                   help="also decode and prefill in block tables of this many tokens (a "
+                        "server's max_model_len), read by context width and whole (0: skip)")
     p.add_argument("--show-tokens", action="store_true",
                    help="print every row's greedy ids from both sides")
     return p
@@ -126,8 +136,10 @@ def check_args(args: argparse.Namespace) -> None:
     bad = [b for b in args.batch if not 1 <= b <= len(QUESTIONS)]
     if bad:
         raise SystemExit(f"--batch sizes must be in 1..{len(QUESTIONS)}. Got {bad}.")
-    if args.prefill_tokens < 0:
-        raise SystemExit(f"--prefill-tokens must be >= 0. Got {args.prefill_tokens}.")
+    for name in ("prefill_tokens", "table_tokens"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0. Got "
+                             f"{getattr(args, name)}.")
     if args.rounds < 1 or args.block_size < 1:
         raise SystemExit(f"--rounds and --block-size must be >= 1. Got {args.rounds} and "
                          f"{args.block_size}.")
@@ -180,12 +192,16 @@ class Models:
 class PagedRunner:
     """paged_jax's side: the split model and one pool sized for ``prompts`` plus ``tokens``
     steps; ``run()`` prefills (untimed) and decodes, returning ``(ids [B, tokens + 1],
-    decode seconds)``; ``first_token()`` times the prefill alone."""
+    decode seconds)``; ``first_token()`` times the prefill alone. ``table_tokens`` widens
+    every row's block table to hold that many tokens (a serving engine's ``max_model_len``;
+    the pool stays the rows' size), read as ``context_bucket_tokens`` says (``Steps``)."""
 
     def __init__(self, model, prompts: list[list[int]], tokens: int, k: int, block_size: int,
-                 impl: str, platform: str | None = None, embed_bits: bool = True):
+                 impl: str, platform: str | None = None, embed_bits: bool = True,
+                 table_tokens: int = 0, context_bucket_tokens: int = CONTEXT_BUCKET_TOKENS):
         self.graphdef = nnx.split(model)[0]
-        self.steps = Steps(self.graphdef)  # compiled once; no graph hashing per dispatch
+        # Compiled once; no graph hashing per dispatch.
+        self.steps = Steps(self.graphdef, context_bucket_tokens=context_bucket_tokens)
         # What a serving loop passes (see engine.steps); embed_bits=False leaves the
         # embedding's bits for every dispatch to make.
         self.params = (serving_params(model) if embed_bits
@@ -194,11 +210,12 @@ class PagedRunner:
             model.config, prompts, tokens, k, impl)
         self.platform = platform  # init_cache's: "gpu" keeps a 16-bit pool in its own dtype
         batch = len(prompts)
-        # A tight pool: the xla path attends over every row's max_blocks_per_seq blocks, so
-        # a larger table would time padding, not decoding.
+        # A tight table by default: the rows' own length, so the step reads no column that
+        # holds nothing, whatever context_bucket_tokens says.
         blocks = math.ceil((max(map(len, prompts)) + tokens) / block_size)
+        width = max(blocks, math.ceil(table_tokens / block_size))
         self.cache = CacheConfig(num_blocks=batch * blocks, block_size=block_size,
-                                 max_seqs=batch, max_blocks_per_seq=blocks)
+                                 max_seqs=batch, max_blocks_per_seq=width)
         self.padded = pad_prompts(prompts)
         self.lens = jnp.array([len(p) for p in prompts])
 
@@ -263,18 +280,24 @@ def torch_prefill(model, prompt: list[int]) -> tuple[int, float]:
 
 
 def time_prefill(ours: Llama, theirs, prompt: list[int], rounds: int,
-                 block_size: int) -> dict[str, tuple[int, float]]:
+                 block_size: int, table_tokens: int = 0) -> dict[str, tuple[int, float]]:
     """Per side, the first new token and the fastest of ``rounds`` interleaved prefills of
     ``prompt`` (after one untimed, compiling round): ``paged_jax``, ``transformers`` and
-    ``dot_product_attention`` (paged_jax with ``kv_head_attention=False``)."""
-    def paged(model):  # a pool of the prompt's size; no decode steps
-        return PagedRunner(model, [prompt], 0, 1, block_size, "auto").first_token
+    ``dot_product_attention`` (paged_jax with ``kv_head_attention=False``); with
+    ``table_tokens``, also paged_jax in a table of that many tokens read by context width
+    (``wide_table``) and whole (``wide_table_whole``)."""
+    def paged(model, **table):  # a pool of the prompt's size; no decode steps
+        return PagedRunner(model, [prompt], 0, 1, block_size, "auto", **table).first_token
 
     sides = {
         "paged_jax": paged(ours),
         "transformers": lambda: torch_prefill(theirs, prompt),
         "dot_product_attention": paged(rebuilt(ours, kv_head_attention=False)),
     }
+    if table_tokens:
+        sides["wide_table"] = paged(ours, table_tokens=table_tokens)
+        sides["wide_table_whole"] = paged(ours, table_tokens=table_tokens,
+                                          context_bucket_tokens=0)
     best = {name: (side()[0], math.inf) for name, side in sides.items()}  # compile
     for _ in range(rounds):
         for name, side in sides.items():
@@ -528,6 +551,12 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
             sides["other_fusion"] = PagedRunner(
                 rebuilt(ours, fused_projections=not ours.fused_projections), prompts,
                 args.tokens, args.steps_per_dispatch, args.block_size, args.impl)
+            if args.table_tokens:
+                run = (prompts, args.tokens, args.steps_per_dispatch, args.block_size, args.impl)
+                sides["wide_table"] = PagedRunner(ours, *run, table_tokens=args.table_tokens)
+                sides["wide_table_whole"] = PagedRunner(ours, *run,
+                                                        table_tokens=args.table_tokens,
+                                                        context_bucket_tokens=0)
             ids = {name: side.run()[0] for name, side in sides.items()}  # warm-up, compile
             matmuls = MatmulFloor(ours, batch, args.steps_per_dispatch)
             matmuls.run()  # compile
@@ -589,6 +618,18 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
         print_ablation(results, "out_in", "[in, out]",
                        "paged_jax with every projection's weight held [out, in] (in_out=False; "
                        "[in, out], the default for f32 on CPU):")
+    if args.table_tokens:
+        print(f"paged_jax in block tables of {args.table_tokens} tokens (a server's "
+              f"max_model_len; the tables above hold the rows' own length):")
+        for batch, rates, _, ids in results:
+            same = sum(d is None for d in agreement(ids["wide_table_whole"], ids["wide_table"]))
+            print(f"  batch {batch}: {rates['wide_table']:.1f} tok/s reading the columns that "
+                  f"cover the rows (the default: {CONTEXT_BUCKET_TOKENS} tokens, doubled as "
+                  f"needed), {rates['wide_table_whole']:.1f} tok/s reading the whole table "
+                  f"(context_bucket_tokens=0): by context width "
+                  f"{rates['wide_table'] / rates['wide_table_whole']:.2f}x that; the tight "
+                  f"table {rates['paged_jax'] / rates['wide_table']:.2f}x the wide one "
+                  f"({same}/{batch} rows token-equal)")
     if ablate:
         print_ablation(results, "plain", "with them",
                        f"paged_jax without its CPU measures for {cfg.dtype} (the pool stored as "
@@ -608,7 +649,8 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
               f"such writes per token)")
     if args.prefill_tokens:
         prompt = long_prompt(tokenizer, args.prefill_tokens)
-        pre = time_prefill(ours, theirs, prompt, args.rounds, args.block_size)
+        pre = time_prefill(ours, theirs, prompt, args.rounds, args.block_size,
+                           args.table_tokens)
         ms = {name: 1e3 * seconds for name, (_, seconds) in pre.items()}
         firsts = {first for first, _ in pre.values()}
         print(f"prefill of one {len(prompt)}-token prompt (the chat prompts' ids repeated), "
@@ -618,6 +660,11 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
         print(f"paged_jax with jax.nn.dot_product_attention (kv_head_attention=False): "
               f"{ms['dot_product_attention']:.1f} ms; a pair of dots per KV head "
               f"{ms['dot_product_attention'] / ms['paged_jax']:.2f}x that")
+        if args.table_tokens:
+            print(f"the same prefill in a block table of {args.table_tokens} tokens: "
+                  f"{ms['wide_table']:.1f} ms by context width, {ms['wide_table_whole']:.1f} "
+                  f"ms reading the whole table (context_bucket_tokens=0): by context width "
+                  f"{ms['wide_table_whole'] / ms['wide_table']:.2f}x faster")
     if args.show_tokens:
         for batch, _, _, ids in results:
             for name, rows in ids.items():

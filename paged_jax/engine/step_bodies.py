@@ -59,9 +59,12 @@ def _select(pred, on_true, on_false):
 
 
 def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState, tokens,
-                 seq_ids, num_tokens, extend, *, all_logits: bool, mesh=None):
+                 seq_ids, num_tokens, extend, *, all_logits: bool,
+                 bucket_tokens: int = strategies.CONTEXT_BUCKET_TOKENS, mesh=None):
     """``prefill`` on checked inputs: tokens [B, T], seq_ids and num_tokens [B] int, extend
-    [B] bool. Returns ``(logits, kv, state, status)``."""
+    [B] bool. The attention reads the table's first ``strategies.context_widths(...,
+    bucket_tokens)`` columns that cover the longest row. Returns ``(logits, kv, state,
+    status)``."""
     cfg = state.config
     model, bits = _merge(graphdef, params)
     batch, width = tokens.shape
@@ -111,12 +114,19 @@ def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState,
         key_pos[None, None, :] < kv_lens[:, None, None]
     )  # [B, T, S]
 
+    widths = strategies.context_widths(tables.shape[1], cfg.block_size, bucket_tokens)
+
     def attend(layer, q, k, v, kv):  # q [B, T, Hq, D]; k, v [B, T, Hkv, D]
         kv = write(kv, layer, slots, k, v)
-        keys = kv.values(gather_pages(kv.k[layer], tables)).swapaxes(1, 2)  # [B, S, Hkv, D]
-        values = kv.values(gather_pages(kv.v[layer], tables)).swapaxes(1, 2)
-        return masked_attention(q, keys, values, mask,
-                                per_kv_head=model.kv_head_attention), kv
+
+        def at_width(w):  # the table's first w blocks: [B, T, Hq, D]
+            part = tables[:, :w]
+            keys = kv.values(gather_pages(kv.k[layer], part)).swapaxes(1, 2)  # [B, S, Hkv, D]
+            values = kv.values(gather_pages(kv.v[layer], part)).swapaxes(1, 2)
+            return masked_attention(q, keys, values, mask[:, :, : w * cfg.block_size],
+                                    per_kv_head=model.kv_head_attention)
+
+        return strategies.by_context_width(kv_lens, cfg.block_size, widths, at_width), kv
 
     h, kv = model.hidden(tokens.astype(jnp.int32), positions, kv, attend, bits)  # [B, T, E]
     if all_logits:
@@ -163,7 +173,8 @@ def _forward(model, kv: KVCache, state: BlockState, tokens, positions, live, att
 
 
 def decode_step_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState, tokens,
-                     *, impl: str, interpret: bool, mesh=None):
+                     *, impl: str, interpret: bool,
+                     bucket_tokens: int = strategies.CONTEXT_BUCKET_TOKENS, mesh=None):
     """``decode_step`` on checked inputs (tokens [max_seqs] int): one token for every active
     row. Returns ``(logits, kv, state, status)``."""
     model, bits = _merge(graphdef, params)
@@ -171,8 +182,9 @@ def decode_step_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockSt
     positions = state.seq_lens
     kv, state, status = _claim(model, kv, state, tokens, mask, 1, "decode_step")
     live = mask & status.applied
+    widths = strategies.xla_widths(kv, state.block_tables, impl, bucket_tokens)
     attention_at, extra = strategies.per_step(state.block_tables, positions, impl=impl,
-                                              interpret=interpret, mesh=mesh)
+                                              interpret=interpret, mesh=mesh, widths=widths)
     logits, kv, _ = _forward(model, kv, state, tokens, positions, live, attention_at(0, live),
                              extra, bits)
     kv, state = constrain(kv, state, mesh)
@@ -189,7 +201,8 @@ def decode_steps_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockS
                       seeds=None, *, num_steps: int, impl: str, interpret: bool,
                       return_logits: bool, sample: bool, filtered: bool = False,
                       rows: int | None = None,
-                      hoist_max_bytes: int = strategies.HOIST_MAX_BYTES, mesh=None):
+                      hoist_max_bytes: int = strategies.HOIST_MAX_BYTES,
+                      bucket_tokens: int = strategies.CONTEXT_BUCKET_TOKENS, mesh=None):
     """``decode_steps`` on checked inputs (``step_inputs.decode_steps_inputs``). Returns
     ``(tokens, logits, kv, state, status)``."""
     model, bits = _merge(graphdef, params)
@@ -212,7 +225,7 @@ def decode_steps_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockS
         _first_rows(x, rows) for x in (temperature, top_k, top_p, stop_ids, seeds))
     attention_at, extra = strategies.decode_strategy(
         kv, state.block_tables[:rows], start, live, num_steps, impl=impl, interpret=interpret,
-        hoist_max_bytes=hoist_max_bytes, mesh=mesh)
+        hoist_max_bytes=hoist_max_bytes, bucket_tokens=bucket_tokens, mesh=mesh)
 
     def body(loop, xs):
         kv, extra, tokens, going = loop  # going: [S] rows that run step t

@@ -46,7 +46,7 @@ from paged_jax.engine.step_inputs import (
     prefill_inputs,
     step_impl,
 )
-from paged_jax.kernels.strategies import HOIST_MAX_BYTES
+from paged_jax.kernels.strategies import CONTEXT_BUCKET_TOKENS, HOIST_MAX_BYTES
 from paged_jax.kvcache import KVCache
 from paged_jax.sharding import (
     auto_axes,
@@ -57,18 +57,19 @@ from paged_jax.sharding import (
     shard_params,
 )
 
-__all__ = ["DONATE", "HOIST_MAX_BYTES", "Steps", "check_cache", "decode_step", "decode_steps",
-           "pad_prompts", "prefill", "serving_params", "step_impl"]
+__all__ = ["CONTEXT_BUCKET_TOKENS", "DONATE", "HOIST_MAX_BYTES", "Steps", "check_cache",
+           "decode_step", "decode_steps", "pad_prompts", "prefill", "serving_params",
+           "step_impl"]
 
 DONATE = ("kv", "state")
 
 
 def _prefill(graphdef, params, kv, state, tokens, seq_ids, num_tokens, extend, *, all_logits,
-             mesh=None):
+             bucket_tokens=CONTEXT_BUCKET_TOKENS, mesh=None):
     # A def of its own so that compile logs name the prefill executables jit(_prefill) in both
     # forms (tests/test_engine.py counts prefill compilations by that name).
     return prefill_body(graphdef, params, kv, state, tokens, seq_ids, num_tokens, extend,
-                        all_logits=all_logits, mesh=mesh)
+                        all_logits=all_logits, bucket_tokens=bucket_tokens, mesh=mesh)
 
 _DECODE_STEPS_STATIC = ("num_steps", "impl", "interpret", "return_logits", "sample", "filtered",
                         "rows", "hoist_max_bytes")
@@ -102,9 +103,13 @@ class Steps:
     ``graphdef``. The graph is closed over, never a static argument, so no call hashes it.
 
     ``hoist_max_bytes`` is ``decode_steps``' bound on the context the xla path gathers once
-    per dispatch (0: always per step). The jitted functions are public (``prefill_jit``,
-    ``decode_step_jit``, ``decode_steps_jit``; the bodies of ``step_bodies.py`` with the
-    graph bound) so a caller can ``.lower()`` them on checked inputs.
+    per dispatch (0: always per step). ``context_bucket_tokens`` is the narrowest table the
+    prefill's attention and the xla decode path read (``kernels.strategies.context_widths``:
+    doubling up to ``max_blocks_per_seq``, the smallest that covers the longest row chosen
+    in each step); 0 reads the whole table in every step. The jitted functions are public
+    (``prefill_jit``, ``decode_step_jit``, ``decode_steps_jit``; the bodies of
+    ``step_bodies.py`` with the graph bound) so a caller can ``.lower()`` them on checked
+    inputs.
 
     ``mesh``: a ``jax.sharding.Mesh`` with a ``"tp"`` axis (``paged_jax.sharding``; any
     ``"dp"`` axis of size 1) to run tensor parallel: the params, cache and state must be
@@ -114,26 +119,31 @@ class Steps:
     """
 
     def __init__(self, graphdef: nnx.GraphDef, *, hoist_max_bytes: int = HOIST_MAX_BYTES,
-                 mesh=None):
-        if not isinstance(hoist_max_bytes, int) or hoist_max_bytes < 0:
-            raise ValueError(f"hoist_max_bytes must be an int >= 0. Got {hoist_max_bytes!r}.")
+                 context_bucket_tokens: int = CONTEXT_BUCKET_TOKENS, mesh=None):
+        for name, value in (("hoist_max_bytes", hoist_max_bytes),
+                            ("context_bucket_tokens", context_bucket_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0. Got {value!r}.")
         if mesh is not None:
             check_mesh(mesh)
             mesh = auto_axes(mesh)
         self.graphdef = graphdef
         self.hoist_max_bytes = hoist_max_bytes
+        self.context_bucket_tokens = context_bucket_tokens
         self.mesh = mesh
+        bucket = {"bucket_tokens": context_bucket_tokens}
         # decode_steps' key when sampling without key or seeds; made here once, since making
         # a key is a dispatch of its own.
         self.default_key = jax.random.key(0)
-        self.prefill_jit = jax.jit(functools.partial(_prefill, graphdef, mesh=mesh),
+        self.prefill_jit = jax.jit(functools.partial(_prefill, graphdef, mesh=mesh, **bucket),
                                    static_argnames=("all_logits",), donate_argnames=DONATE)
-        self.decode_step_jit = jax.jit(functools.partial(decode_step_body, graphdef, mesh=mesh),
+        self.decode_step_jit = jax.jit(functools.partial(decode_step_body, graphdef, mesh=mesh,
+                                                         **bucket),
                                        static_argnames=("impl", "interpret"),
                                        donate_argnames=DONATE)
         self.decode_steps_jit = jax.jit(
             functools.partial(decode_steps_body, graphdef, hoist_max_bytes=hoist_max_bytes,
-                              mesh=mesh),
+                              mesh=mesh, **bucket),
             static_argnames=_DECODE_STEPS_STATIC[:-1], donate_argnames=DONATE,
         )
 
