@@ -533,26 +533,22 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
     with tqdm(total=len(args.batch) * (args.rounds + 1), desc="rounds", leave=False) as bar:
         for batch in args.batch:
             prompts = prompt_ids(tokenizer, batch)
+            # Every paged_jax side's PagedRunner arguments after the model.
+            run = (prompts, args.tokens, args.steps_per_dispatch, args.block_size, args.impl)
             sides = {
-                "paged_jax": PagedRunner(ours, prompts, args.tokens, args.steps_per_dispatch,
-                                         args.block_size, args.impl),
+                "paged_jax": PagedRunner(ours, *run),
                 "transformers": TorchRunner(theirs, prompts, args.tokens, pad_id),
             }
             if ablate:
-                run = (prompts, args.tokens, args.steps_per_dispatch, args.block_size, args.impl)
                 sides["plain"] = PagedRunner(rebuilt(ours, cpu_16bit_paths=False), *run,
                                              platform="gpu")
                 sides["weight_right"] = PagedRunner(rebuilt(ours, weight_left_rows=0), *run)
                 sides["bits_per_dispatch"] = PagedRunner(ours, *run, embed_bits=False)
             if ours.in_out:
-                sides["out_in"] = PagedRunner(rebuilt(ours, in_out=False), prompts, args.tokens,
-                                              args.steps_per_dispatch, args.block_size,
-                                              args.impl)
+                sides["out_in"] = PagedRunner(rebuilt(ours, in_out=False), *run)
             sides["other_fusion"] = PagedRunner(
-                rebuilt(ours, fused_projections=not ours.fused_projections), prompts,
-                args.tokens, args.steps_per_dispatch, args.block_size, args.impl)
+                rebuilt(ours, fused_projections=not ours.fused_projections), *run)
             if args.table_tokens:
-                run = (prompts, args.tokens, args.steps_per_dispatch, args.block_size, args.impl)
                 sides["wide_table"] = PagedRunner(ours, *run, table_tokens=args.table_tokens)
                 sides["wide_table_whole"] = PagedRunner(ours, *run,
                                                         table_tokens=args.table_tokens,

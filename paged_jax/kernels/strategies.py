@@ -30,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from paged_jax.allocator.primitives import cdiv
 from paged_jax.kernels.pallas_decode import paged_attention, resolve_impl
 from paged_jax.kernels.reference import attend_segments, gather_context
 from paged_jax.sharding import per_head_shard
@@ -54,7 +55,7 @@ def context_widths(max_blocks: int, block_size: int,
     if bucket_tokens < 0:
         raise ValueError(f"bucket_tokens must be >= 0. Got {bucket_tokens!r}.")
     widths = []
-    w = -(-bucket_tokens // block_size) if bucket_tokens else max_blocks
+    w = cdiv(bucket_tokens, block_size) if bucket_tokens else max_blocks
     while 3 * w < 2 * max_blocks:
         widths.append(w)
         w *= 2
@@ -69,7 +70,7 @@ def by_context_width(context_lens, block_size: int, widths: tuple[int, ...], att
     the same values, up to float summation order."""
     if len(widths) == 1:
         return attend(widths[0])
-    need = -(-jnp.max(context_lens) // block_size)  # blocks the longest row reaches
+    need = cdiv(jnp.max(context_lens), block_size)  # blocks the longest row reaches
     index = jnp.searchsorted(jnp.asarray(widths, jnp.int32), need.astype(jnp.int32))
     index = jnp.minimum(index, len(widths) - 1)  # the whole table, at the worst
     return jax.lax.switch(index, [lambda w=w: attend(w) for w in widths])
