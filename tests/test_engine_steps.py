@@ -419,6 +419,10 @@ def test_steps_object_equals_the_module_functions(split_model):
     np.testing.assert_array_equal(np.asarray(keyless), np.asarray(keyed))
     with pytest.raises(ValueError, match=r"hoist_max_bytes must be an int >= 0\. Got -1\."):
         Steps(graphdef, hoist_max_bytes=-1)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError,
+                           match=rf"context_bucket_tokens must be an int >= 0\. Got {bad!r}\."):
+            Steps(graphdef, context_bucket_tokens=bad)
 
 
 @pytest.mark.parametrize("num_steps", [1, 9])
