@@ -119,7 +119,10 @@ def test_bad_arguments():
                         (["--steps-while-prefilling", "0"], "steps-while-prefilling must be >= 1"),
                         (["--steps-per-dispatch", "4", "--steps-while-prefilling", "5"],
                          r"steps-while-prefilling must be at most --steps-per-dispatch \(4\), "
-                         "got 5")):
+                         "got 5"),
+                        (["--max-dispatch-ms", "-1"],
+                         r"max-dispatch-ms must be >= 0 and finite \(0: off\), got -1.0"),
+                        (["--max-dispatch-ms", "inf"], "max-dispatch-ms must be >= 0")):
         with pytest.raises(ValueError, match=match):
             bench_serve.check_args(bench_serve.build_parser().parse_args(argv))
     assert math.isinf(bench_serve.build_parser().parse_args([]).request_rate[0])

@@ -6,6 +6,8 @@ caching on or off, K = 1, 3 or 8 steps per dispatch, and each of n = 3 completio
 
 from __future__ import annotations
 
+import math
+import re
 import time
 
 import jax
@@ -288,7 +290,9 @@ def test_stop_strings_cut_the_text_and_the_tokens_after_them(model, steps, refer
 
 def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model, steps):
     """A 120-token prompt with 32-token chunks arrives while two requests decode: every
-    iteration of its prefill, both still get tokens. Its output equals an unchunked run's."""
+    iteration of its prefill but the last, both still get tokens; the last returns its first
+    token alone (first tokens first), and the next gives all three theirs. Its output
+    equals an unchunked run's."""
     short = prompts_of([4, 6], seed=12)
     (long,) = prompts_of([120], seed=13)
     opts = dict(block_size=8, max_num_seqs=4, max_model_len=256, num_blocks=96, debug=True)
@@ -298,22 +302,22 @@ def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model, steps
         eng.add_request(f"s{i}", p, params)
     eng.step()  # both admitted and prefilled
     eng.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=4))
-    chunks = 0
+    delivered = []
     while "long" in eng.requests and not eng.requests["long"].seqs[0].decoding:
-        outs = {o.request_id for o in eng.step()}
-        chunks += 1
-        assert {"s0", "s1"} <= outs
-    assert chunks == -(-120 // 32)
+        delivered.append({o.request_id for o in eng.step()})
+    assert delivered == [{"s0", "s1"}] * 3 + [{"long"}]  # 120 tokens in 32-token chunks
     # Mid-run: the three sequences' tokens over their blocks (and the cached full ones).
     stats = eng.stats()
     lens = [s.cached for s in eng.scheduler.running]
     assert stats.blocks_used == sum(-(-n // 8) for n in lens)  # nothing shared here
     assert stats.token_occupancy == pytest.approx(sum(lens) / (96 * 8))
     assert stats.block_occupancy > stats.token_occupancy
+    last = {o.request_id: o for o in eng.step()}
+    assert set(last) == {"s0", "s1", "long"}
     while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.request_id == "long" and o.finished:
-                chunked = o.outputs[0].token_ids
+        last.update((o.request_id, o) for o in eng.step())
+    assert last["long"].finished
+    chunked = last["long"].outputs[0].token_ids
     whole = LLMEngine(model, steps=steps, **opts, max_num_batched_tokens=128)
     whole.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=4))
     while whole.has_unfinished_requests():
@@ -479,7 +483,7 @@ def test_tokens_are_timed_when_the_step_that_made_them_returns(model, steps):
     the call and the return (the first token's TTFT includes the decode that followed)."""
     engine = LLMEngine(model, steps=steps, block_size=16, num_blocks=64, max_num_seqs=4,
                        max_model_len=128, max_num_batched_tokens=32, steps_per_dispatch=4,
-                       eos_token_id=None)
+                       eos_token_id=None, first_tokens_first=False)
     engine.add_request("a", list(range(1, 9)), SamplingParams(temperature=0.0, max_tokens=9))
     seen, mixed = {}, 0
     while engine.has_unfinished_requests() or not seen:
@@ -510,10 +514,84 @@ def test_tokens_are_timed_when_the_step_that_made_them_returns(model, steps):
      r"steps_while_prefilling must be at most steps_per_dispatch \(4\). Got 5."),
     (dict(scheduling_policy="sjf"),
      r"scheduling_policy must be one of \('fcfs', 'shortest_first'\). Got 'sjf'."),
+    *[(dict(max_dispatch_ms=v), "max_dispatch_ms must be a positive finite number of "
+       f"milliseconds or None. Got {re.escape(repr(v))}.")
+      for v in (0, -5.0, math.inf, True, "100")],
 ])
 def test_bad_engine_arguments_name_the_value(model, steps, kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine(model, steps, **kwargs)
+
+
+def spy_decode_steps(eng, steps, calls):
+    """Record ``(rows, num_steps)`` of every decode dispatch ``eng`` makes."""
+    def spy(*args, rows=None, num_steps, **kwargs):
+        calls.append((rows, num_steps))
+        return steps.decode_steps(*args, rows=rows, num_steps=num_steps, **kwargs)
+
+    eng.steps = type("Spy", (), {"__getattr__": lambda _, n: getattr(steps, n),
+                                 "decode_steps": staticmethod(spy)})()
+
+
+@pytest.mark.parametrize("budget_ms", [1e-9, 1e9])
+def test_decode_dispatches_k_steps_only_where_k_steps_took_at_most_max_dispatch_ms(
+        model, steps, reference, budget_ms):
+    """All four requests are prefilled in the first iteration, then only decode. Each row
+    count's first dispatch runs K steps (nothing is timed yet); after it, a budget every
+    dispatch exceeds gives one step a dispatch, one none exceeds K. The tokens are the dense
+    reference's either way."""
+    llm = engine(model, steps, max_num_seqs=4, steps_per_dispatch=3, max_dispatch_ms=budget_ms)
+    calls = []
+    spy_decode_steps(llm.engine, steps, calls)
+    prompts = prompts_of([4, 9, 6, 3], seed=7)
+    lengths = [5, 9, 14, 20]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n)
+                                  for n in lengths], use_tqdm=False)
+    assert token_ids(outs) == [[reference(p, n)] for p, n in zip(prompts, lengths, strict=True)]
+    timed, want = set(), []
+    for rows, _ in calls:  # a plain model of the choice
+        want.append(3 if rows not in timed or budget_ms > 1 else 1)
+        timed.add(rows)
+    assert [k for _, k in calls] == want
+    assert len({rows for rows, _ in calls}) == 1 and 3 in want  # slot 3 decodes to the end
+    if budget_ms < 1:
+        assert want.count(1) >= 10, calls
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_prompt_s_first_token_comes_back_from_its_prefill_alone(model, steps, reference,
+                                                                   first):
+    """r1 arrives while r0 decodes. With ``first_tokens_first`` the step that prefills r1
+    runs no decode dispatch: it returns r1's first token and nothing new for r0, whose next
+    token comes in the following step, beside r1's second. Without it, that step also
+    decodes r0 one step. The tokens are the dense reference's either way."""
+    llm = engine(model, steps, max_num_seqs=4, steps_per_dispatch=2, max_dispatch_ms=None,
+                 first_tokens_first=first)
+    eng, calls = llm.engine, []
+    spy_decode_steps(eng, steps, calls)
+    prompts = prompts_of([5, 7], seed=11)
+    greedy = SamplingParams(temperature=0.0, max_tokens=9)
+    eng.add_request("r0", prompts[0], greedy)
+
+    def step():
+        before = len(calls)
+        new = {o.request_id: len(o.outputs[0].token_ids) for o in eng.step()}
+        return new, [k for _, k in calls[before:]]
+
+    assert step() == ({"r0": 1}, [])  # r0's prefill: nothing decodes yet
+    assert step() == ({"r0": 3}, [2])
+    eng.add_request("r1", prompts[1], greedy)
+    if first:
+        assert step() == ({"r1": 1}, [])
+        assert step() == ({"r0": 5, "r1": 3}, [2])
+    else:
+        assert step() == ({"r0": 4, "r1": 1}, [1])  # one step beside the prefill
+        assert step() == ({"r0": 6, "r1": 3}, [2])
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o.outputs[0].token_ids
+    assert [outs["r0"], outs["r1"]] == [reference(p, 9) for p in prompts]
 
 
 @pytest.mark.parametrize("bucket", [True, False])
@@ -522,7 +600,8 @@ def test_decode_dispatches_compute_the_slots_up_to_the_highest_decoding_one(mode
     """Requests of different lengths leave their slots as they finish; each decode dispatch
     computes the power of two of rows covering the highest slot that decodes (every slot
     with ``bucket_decode_rows=False``), and the tokens are the dense reference's."""
-    llm = engine(model, steps, max_num_seqs=4, steps_per_dispatch=3, bucket_decode_rows=bucket)
+    llm = engine(model, steps, max_num_seqs=4, steps_per_dispatch=3, bucket_decode_rows=bucket,
+                 max_dispatch_ms=None, first_tokens_first=False)
     eng = llm.engine
     calls = []
     decode_steps = eng.steps.decode_steps

@@ -113,11 +113,15 @@ class Sim:
     applies it; ``log`` keeps what the checks below need."""
 
     def __init__(self, *, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-                 steps_per_dispatch, steps_while_prefilling=None, policy="fcfs"):
+                 steps_per_dispatch, steps_while_prefilling=None, policy="fcfs",
+                 first_tokens_first=False):
         self.sched = Scheduler(max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
                                steps_per_dispatch=steps_per_dispatch, block_size=block_size,
-                               steps_while_prefilling=steps_while_prefilling, policy=policy)
+                               steps_while_prefilling=steps_while_prefilling, policy=policy,
+                               first_tokens_first=first_tokens_first)
+        self.deferred = False  # the previous plan's
+        self.deferrals = 0
         self.policy = policy
         self.fresh: list[Sequence] = []  # added since the last step, in arrival order
         self.while_prefilling = steps_while_prefilling or steps_per_dispatch
@@ -166,14 +170,17 @@ class Sim:
             fresh = sorted(fresh, key=lambda q: len(q.prompt_ids))
         return older + fresh
 
-    def step(self) -> Plan:
+    def step(self, steps: int | None = None) -> Plan:
+        """One iteration; ``steps``: the engine's dispatch length for it (K by default)."""
         s, pool = self.sched, self.pool
+        k = s.steps_per_dispatch if steps is None else steps
+        while_prefilling = min(self.while_prefilling, k)
         before_running = list(s.running)
         before_waiting = self.queue_order()
         oldest = min(before_running, key=lambda q: q.age) if before_running else None
         decoding_before = [q for q in before_running if q.decoding]
         pool.pending = {}
-        plan = s.schedule(pool)
+        plan = s.schedule(pool, steps)
         self.iterations += 1
         assert not plan.empty, "an iteration with work planned nothing: a deadlock"
 
@@ -194,13 +201,24 @@ class Sim:
         # An iteration that prefills decodes steps_while_prefilling steps; one that neither
         # prefills nor preempts, K.
         if plan.prefill:
-            assert plan.decode_steps == self.while_prefilling
+            assert plan.decode_steps == while_prefilling
         elif not plan.preempt:
-            assert plan.decode_steps == s.steps_per_dispatch
-        assert plan.decode_steps in (self.while_prefilling, s.steps_per_dispatch)
+            assert plan.decode_steps == k
+        assert plan.decode_steps in (while_prefilling, k)
         planned = {id(q): steps for q, steps in plan.decode}
+        # (c) with first_tokens_first, an iteration whose prefill finishes a prompt and
+        # leaves none to prefill defers the decode rows, never two in a row and never
+        # beside a preemption.
+        finishing = [q for q, st, n in plan.prefill if st + n == len(q.target)]
+        ends = (bool(finishing) and not s.waiting
+                and all(q.decoding or any(q is f for f in finishing) for q in s.running))
+        should_defer = (s.first_tokens_first and ends and not plan.preempt
+                        and not self.deferred and bool(decoding_before))
+        assert plan.deferred == should_defer, (plan.deferred, should_defer)
+        self.deferred = plan.deferred
+        self.deferrals += plan.deferred
         for q in decoding_before:
-            if not any(q is v for v in victims):
+            if not any(q is v for v in victims) and not plan.deferred:
                 assert planned.get(id(q)) == min(plan.decode_steps, q.remaining)
         for q, steps in plan.decode:
             assert q.decoding and q.slot is not None and 1 <= steps <= q.remaining
@@ -463,6 +481,117 @@ def test_decode_runs_one_step_per_iteration_while_prompts_are_prefilled_then_k()
     firsts = [i for i, p in enumerate(plans) if p.admitted]
     assert len(firsts) >= 2
     assert_all_complete(sim, {f"r{i}": (20, 40, 1) for i in range(6)})
+
+
+def test_the_engine_may_ask_for_fewer_steps_than_k_and_prefill_iterations_keep_theirs():
+    # The engine asks for 1 step in some iterations (LLMEngine's max_dispatch_ms): those
+    # plans decode 1 step a row; prefill iterations still decode steps_while_prefilling
+    # (2), unless the engine asked for fewer.
+    sim = Sim(num_blocks=400, block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+              steps_per_dispatch=8, steps_while_prefilling=2)
+    sim.add(6, 30)
+    sim.add(20, 30)  # chunked over three iterations, beside r0's decode
+    asked = [8, 1, 8, 1, 1, 8, 1, 8]
+    plans = [sim.step(k) for k in asked]
+    got = [(bool(p.prefill), p.decode_steps) for p in plans]
+    # r1's chunks: 2 tokens beside r0's whole prompt, 8, 8, then its last 2.
+    assert got == [(True, 2), (True, 1), (True, 2), (True, 1), (False, 1), (False, 8),
+                   (False, 1), (False, 8)], got
+    assert [n for _, n in plans[-1].decode] == [8, 8]
+    while sim.sched.has_work:
+        sim.step(1)
+    assert_all_complete(sim, {"r0": (6, 30, 1), "r1": (20, 30, 1)})
+
+
+def test_first_tokens_first_defers_the_decode_rows_one_iteration_at_a_time():
+    # r0 decodes; r1..r3 arrive one an iteration, each prefilled whole in one iteration. Each
+    # iteration that finishes a prompt defers the decoders, unless the one before did.
+    sim = Sim(num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+              steps_per_dispatch=4, steps_while_prefilling=1, first_tokens_first=True)
+    sim.add(5, 30)
+    first = sim.step()
+    assert first.prefill and not first.decode and not first.deferred  # nothing decodes yet
+    kinds = []
+    for _ in range(3):
+        sim.add(6, 30)
+        plan = sim.step()
+        kinds.append((len(plan.prefill), [n for _, n in plan.decode], plan.deferred))
+    # r1 finishes: r0 deferred. r2 finishes: r0 and r1 decode 1 step (no two in a row).
+    # r3 finishes: deferred again.
+    assert kinds == [(1, [], True), (1, [1, 1], False), (1, [], True)], kinds
+    plan = sim.step()  # nothing to prefill: everyone decodes K
+    assert [n for _, n in plan.decode] == [4, 4, 4, 4] and not plan.deferred
+    while sim.sched.has_work:
+        sim.step()
+    assert_all_complete(sim, {f"r{i}": (6 if i else 5, 30, 1) for i in range(4)})
+
+
+def test_first_tokens_first_does_not_defer_while_prefill_is_left():
+    # r1 (6 tokens) and r2 (20) arrive together beside a decoding r0, 16 tokens a chunk:
+    # the first iteration finishes r1 but leaves r2's chunks, so r0 decodes; the second
+    # finishes r2 with nothing left, so the decoders wait one iteration.
+    sim = Sim(num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+              steps_per_dispatch=4, steps_while_prefilling=1, first_tokens_first=True)
+    sim.add(5, 30)
+    sim.step()
+    sim.add(6, 30)
+    sim.add(20, 30)
+    plans = [sim.step() for _ in range(3)]
+    got = [([n for _, _, n in p.prefill], [n for _, n in p.decode], p.deferred) for p in plans]
+    assert got == [([6, 10], [1], False), ([10], [], True), ([], [4, 4, 4], False)], got
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_first_tokens_first_on_random_workloads_completes_everything(seed):
+    # Arrivals between iterations, a pool that preempts now and then: Sim's checks hold in
+    # every iteration (deferral exactly where due), and everything completes.
+    rng = random.Random(seed)
+    sim = Sim(num_blocks=rng.randint(30, 80), block_size=4, max_num_seqs=4,
+              max_num_batched_tokens=rng.choice([8, 16, 32]), steps_per_dispatch=4,
+              steps_while_prefilling=rng.choice([1, 4]), first_tokens_first=True)
+    requests = {}
+    for _ in range(12):
+        for _ in range(rng.randint(0, 2)):
+            p, m = rng.randint(1, 29), rng.randint(1, 19)
+            requests[sim.add(p, m)] = (p, m, 1)
+        if sim.sched.has_work:
+            sim.step()
+    while sim.sched.has_work:
+        sim.step()
+    assert sim.deferrals > 0
+    assert_all_complete(sim, requests)
+
+
+def test_an_admission_s_evictable_hit_blocks_leave_the_free_count_for_the_next_one():
+    # 2 free blocks and 3 evictable ones, which hold the first queued prompt's first 24
+    # tokens. Admitting it takes 1 new block and makes the 3 unevictable: 1 block is left,
+    # so the next prompt (2 blocks) waits.
+    class HitPool:
+        def free(self):
+            return 5
+
+        def decode_need(self, seq, steps):
+            return 0
+
+        def lookup(self, seq):
+            return 24 if seq.request_id == "hit" else 0
+
+        def prefill_need(self, seq, upto):
+            need = -(-upto // 8) - -(-seq.cached // 8)
+            return need + (3 if seq.slot is None and seq.request_id == "hit" else 0)
+
+        def held_alone(self, seq):
+            return 0
+
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, steps_per_dispatch=1,
+                      block_size=8)
+    for i, (rid, n) in enumerate((("hit", 28), ("other", 10))):
+        sched.add(Sequence(request_id=rid, index=0, arrival=i, prompt_ids=[1] * n,
+                           max_tokens=4))
+    plan = sched.schedule(HitPool())
+    assert [s.request_id for s in plan.admitted] == ["hit"]
+    assert [(start, n) for _, start, n in plan.prefill] == [(24, 4)]
+    assert [s.request_id for s in sched.waiting] == ["other"]
 
 
 def test_a_plan_that_cannot_prefill_decodes_k_steps():

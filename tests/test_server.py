@@ -463,3 +463,12 @@ def test_the_serve_command_serves_token_ids_and_reads_its_key_from_the_environme
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("value", ["-5", "inf"])
+def test_serve_refuses_a_bad_max_dispatch_ms_before_loading_anything(value):
+    from paged_jax.server import cli as server_cli
+
+    with pytest.raises(SystemExit, match=r"--max-dispatch-ms must be >= 0 and finite \(0: off\), "
+                       f"got {float(value)}"):
+        server_cli.main(["--max-dispatch-ms", value])

@@ -9,7 +9,10 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
 * ``paged_jax``: an ``LLMEngine`` stepped in this process. A request joins the running batch
   at the first iteration after it arrives; prefill is chunked to ``--max-num-batched-tokens``
   tokens per iteration; decode runs ``--steps-per-dispatch`` steps per dispatch
-  (``--steps-while-prefilling`` in an iteration that also prefills); requests are admitted
+  (``--steps-while-prefilling`` in an iteration that also prefills, or where K steps took
+  longer than ``--max-dispatch-ms``; ``paged_jax_whole_k`` keeps K); an iteration that
+  finishes a prompt defers the decode rows to the next (``paged_jax_decode_every_iteration``
+  does not); requests are admitted
   first come first served (``paged_jax_shortest_first`` admits the ones that arrived
   together shortest prompt first). Each engine
   first compiles every prefill shape it can dispatch (``engine.warmup.warm_up``); each
@@ -63,6 +66,7 @@ import time
 
 import numpy as np
 
+from paged_jax.engine.scheduler import DEFAULT_MAX_DISPATCH_MS
 from paged_jax.engine.serve_baselines import BatchServer, StaticServer
 from paged_jax.engine.serve_metrics import (
     Request,
@@ -88,6 +92,11 @@ ABLATIONS = {
         "decode steps_while_prefilling vs K throughout"),
     "paged_jax_all_rows": (lambda a: {"bucket_decode_rows": False},
                            "decode rows bucketed vs every slot"),
+    "paged_jax_whole_k": (lambda a: {"max_dispatch_ms": None},
+                          "K steps by dispatch time vs K whenever nothing is prefilled"),
+    "paged_jax_decode_every_iteration": (
+        lambda a: {"first_tokens_first": False},
+        "first tokens first vs a decode dispatch in every iteration"),
     "paged_jax_shortest_first": (lambda a: {"scheduling_policy": "shortest_first"},
                                  "fcfs vs shortest_first"),
 }
@@ -119,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-while-prefilling", type=int, default=1,
                    help="paged_jax's decode steps per dispatch in an iteration that prefills "
                    "(at most --steps-per-dispatch)")
+    p.add_argument("--max-dispatch-ms", type=float, default=DEFAULT_MAX_DISPATCH_MS,
+                   help="paged_jax decodes --steps-while-prefilling steps per dispatch "
+                   "wherever K steps took longer than this (LLMEngine's max_dispatch_ms); 0: "
+                   "K whenever nothing is prefilled")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=512)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
@@ -153,6 +166,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.steps_while_prefilling > args.steps_per_dispatch:
         raise ValueError(f"--steps-while-prefilling must be at most --steps-per-dispatch "
                          f"({args.steps_per_dispatch}), got {args.steps_while_prefilling}")
+    if not 0 <= args.max_dispatch_ms < math.inf:
+        raise ValueError(f"--max-dispatch-ms must be >= 0 and finite (0: off), got "
+                         f"{args.max_dispatch_ms}")
     if args.max_output_len < 2:
         raise ValueError(f"--max-output-len must be >= 2 (TPOT needs two tokens), got "
                          f"{args.max_output_len}")
@@ -221,7 +237,8 @@ class PagedServer:
                 num_blocks=self.num_blocks, max_num_seqs=max_num_seqs,
                 max_model_len=self.max_len, max_num_batched_tokens=a.max_num_batched_tokens,
                 steps_per_dispatch=a.steps_per_dispatch,
-                **{"steps_while_prefilling": a.steps_while_prefilling, **self.overrides},
+                **{"steps_while_prefilling": a.steps_while_prefilling,
+                   "max_dispatch_ms": a.max_dispatch_ms or None, **self.overrides},
                 seed=a.seed, steps=self.steps)
             # Every prefill shape it can meet, compiled now: which ones a run meets depends
             # on the arrival order, which an HTTP client does not keep from pass to pass.

@@ -13,8 +13,10 @@ Each ``step()`` runs one iteration of the scheduler's plan:
    (``fork``: they share every block; the first decode dispatch copies the partly filled
    last block on write);
 4. one ``decode_steps`` dispatch of K steps for every decoding sequence (of
-   ``steps_while_prefilling`` steps in an iteration that prefills), with each row's
-   remaining budget and stop ids inside the dispatch;
+   ``steps_while_prefilling`` steps in an iteration that prefills, or where K steps over as
+   many rows last took longer than ``max_dispatch_ms``), with each row's remaining budget
+   and stop ids inside the dispatch; none in an iteration whose prefill finishes a prompt
+   and leaves none to prefill (``first_tokens_first``), unless the one before had none;
 5. on the host: new tokens, stop strings, finished sequences released, newly full blocks
    entered in the prefix cache.
 
@@ -62,7 +64,13 @@ from paged_jax.engine.params import (
 from paged_jax.engine.pool_snapshot import PoolSnapshot
 from paged_jax.engine.prefix_cache import ROOT, Lookup, PrefixCache
 from paged_jax.engine.sampling import row_keys, sample
-from paged_jax.engine.scheduler import POLICIES, Plan, Scheduler, Sequence
+from paged_jax.engine.scheduler import (
+    DEFAULT_MAX_DISPATCH_MS,
+    POLICIES,
+    Plan,
+    Scheduler,
+    Sequence,
+)
 from paged_jax.engine.steps import Steps, serving_params
 from paged_jax.kvcache import init_cache, plan_blocks
 from paged_jax.model.llama import Llama
@@ -155,6 +163,19 @@ class LLMEngine:
         make). Every decode step computes every slot's row: K steps beside each chunk hold
         the prompt's first token behind them and run steps for slots that have nothing to
         decode yet. Set it to K for K throughout.
+      max_dispatch_ms: the longest a decode dispatch of K steps may take, so that a request
+        that arrives meanwhile waits at most about this long for its prefill to start. The
+        engine times every decode dispatch; where the last one over as many rows
+        (``decode_rows_for``) took longer than this per K steps, it dispatches
+        ``steps_while_prefilling`` steps instead (both lengths are compiled anyway; nothing
+        new compiles). K amortizes a host round trip: it pays where steps are short (a small
+        model, a GPU) and costs a new arrival most of the dispatch where they are long (a
+        real model on a CPU). None: K whenever nothing is prefilled.
+      first_tokens_first: an iteration whose prefill finishes a prompt and leaves none to
+        prefill runs no decode dispatch (never two such iterations in a row; ``scheduler``'s
+        docstring, 4), so ``step()`` returns the prompt's first token after its prefill
+        alone; the other rows decode in the next iteration, with the new one. False: every
+        iteration decodes.
       enable_prefix_caching: keep full blocks for later prompts with the same prefix.
       scheduling_policy: the admission order. ``"fcfs"``: arrival order. ``"shortest_first"``:
         the requests added since the previous ``step`` go shortest prompt first among
@@ -182,7 +203,9 @@ class LLMEngine:
                  block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 8,
                  max_model_len: int = 1024, max_num_batched_tokens: int = 512,
                  steps_per_dispatch: int = 8, steps_while_prefilling: int = 1,
-                 enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs",
+                 max_dispatch_ms: float | None = DEFAULT_MAX_DISPATCH_MS,
+                 first_tokens_first: bool = True, enable_prefix_caching: bool = True,
+                 scheduling_policy: str = "fcfs",
                  seed: int = 0, impl: str = "auto", kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  debug: bool = False, steps: Steps | None = None,
                  prefill_by_width: bool = True, bucket_decode_rows: bool = True, mesh=None):
@@ -193,6 +216,11 @@ class LLMEngine:
                             ("steps_while_prefilling", steps_while_prefilling)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int. Got {value!r}.")
+        if max_dispatch_ms is not None and (
+                isinstance(max_dispatch_ms, bool) or not isinstance(max_dispatch_ms, (int, float))
+                or not 0 < max_dispatch_ms < math.inf):
+            raise ValueError(f"max_dispatch_ms must be a positive finite number of "
+                             f"milliseconds or None. Got {max_dispatch_ms!r}.")
         if scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}. "
                              f"Got {scheduling_policy!r}.")
@@ -219,6 +247,9 @@ class LLMEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.steps_per_dispatch = steps_per_dispatch
         self.steps_while_prefilling = steps_while_prefilling
+        self.max_dispatch_ms = max_dispatch_ms
+        # Per decode row count: seconds per step of the last dispatch over that many rows.
+        self._step_seconds: dict[int, float] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.seed, self.impl, self.debug = seed, impl, debug
         self.prefill_by_width = bool(prefill_by_width)
@@ -255,7 +286,8 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    steps_per_dispatch=steps_per_dispatch, block_size=block_size,
                                    steps_while_prefilling=steps_while_prefilling,
-                                   policy=scheduling_policy)
+                                   policy=scheduling_policy,
+                                   first_tokens_first=bool(first_tokens_first))
         self.prefix_cache = PrefixCache(block_size)
         self.requests: dict[str, _Request] = {}
         self._arrivals = 0
@@ -386,7 +418,7 @@ class LLMEngine:
         finished), each with its whole output so far."""
         snap = PoolSnapshot.take(self.state, self.prefix_cache, self.cache_config.block_size,
                                  self.enable_prefix_caching)
-        plan = self.scheduler.schedule(snap)
+        plan = self.scheduler.schedule(snap, steps=self.dispatch_steps())
         touched: dict[str, _Request] = {}
         now = time.perf_counter()
         for seq, slot in plan.preempt:
@@ -564,6 +596,20 @@ class LLMEngine:
         req.seqs += children
         return children
 
+    def dispatch_steps(self) -> int:
+        """The decode dispatch length for this iteration when nothing is prefilled: K, or
+        ``steps_while_prefilling`` where the last dispatch over as many rows as the running
+        sequences need took longer than ``max_dispatch_ms`` per K steps (see ``__init__``).
+        K until a dispatch over that many rows has been timed."""
+        k = self.steps_per_dispatch
+        slots = [s.slot for s in self.scheduler.running if s.decoding]
+        if self.max_dispatch_ms is None or not slots:
+            return k
+        per_step = self._step_seconds.get(self.decode_rows_for(max(slots)))
+        if per_step is None or per_step * k * 1e3 <= self.max_dispatch_ms:
+            return k
+        return self.steps_while_prefilling
+
     def decode_rows_for(self, highest_slot: int) -> int:
         """The rows a decode dispatch computes when ``highest_slot`` is the highest slot it
         decodes: the power of two covering it (at most ``max_num_seqs``), or every slot without
@@ -598,14 +644,16 @@ class LLMEngine:
             stop_ids[r, : len(ids)] = ids
         sampled = bool(temps.any())
         filtered = sampled and bool((top_k > 0).any() or (top_p < 1).any())
+        rows = self.decode_rows_for(max(s.slot for s, _ in plan.decode))
+        start = time.perf_counter()
         toks, _, self.kv, self.state, status = self.steps.decode_steps(
             self.params, self.kv, self.state, tokens, None,
             temps if sampled else 0.0, top_k=top_k if filtered else 0,
             top_p=top_p if filtered else 1.0, num_steps=plan.decode_steps,
             impl=self.impl, budgets=budgets, stop_ids=stop_ids,
-            seeds=seeds if sampled else None,
-            rows=self.decode_rows_for(max(s.slot for s, _ in plan.decode)))
+            seeds=seeds if sampled else None, rows=rows)
         toks = np.asarray(jax.device_get(toks))  # [K, S], the host round trip
+        self._step_seconds[rows] = (time.perf_counter() - start) / plan.decode_steps
         status.raise_if_failed()
         # Blocks taken beyond the new ones were copies on write (a first write after a fork).
         self._cow_copies += free_before - int(self.state.num_free) - new_blocks

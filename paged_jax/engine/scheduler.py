@@ -3,11 +3,13 @@
 Every ``LLMEngine.step`` asks ``Scheduler.schedule`` for one iteration's plan:
 
 1. **Decode.** Every running sequence whose prompt is in the cache decodes
-   ``min(K, tokens it may still produce)`` tokens in one K-step dispatch. While prompts
-   are being prefilled (a started prompt has chunks left, or a queued one has a free slot),
-   K is ``steps_while_prefilling`` instead (1 by default): every decode step computes every
-   slot's row, so eight steps beside each prefill chunk would hold each new prompt's first
-   token behind them and run steps for rows that have nothing to decode yet. When such an
+   ``min(K, tokens it may still produce)`` tokens in one K-step dispatch (K as the engine
+   asks: fewer where K steps take too long, see ``LLMEngine``'s ``max_dispatch_ms``).
+   While prompts are being prefilled (a started prompt has chunks left, or a queued one
+   has a free slot), K is ``steps_while_prefilling`` instead (1 by default): every decode
+   step computes every slot's row, so eight steps beside each prefill chunk would hold each
+   new prompt's first token behind them and run steps for rows that have nothing to decode
+   yet. When such an
    iteration plans no prefill after all (the pool is short), it is planned again with K.
 2. **Preemption by recompute.** If the pool cannot hold that dispatch's blocks, the newest
    sequence (latest arrival, then highest completion index) is preempted: its slot and blocks
@@ -25,6 +27,15 @@ Every ``LLMEngine.step`` asks ``Scheduler.schedule`` for one iteration's plan:
    completion beside the decode dispatch; so a long prompt stalls running requests for at
    most one chunk per iteration, and a prompt is never started that cannot finish.
 
+4. **First tokens first** (``first_tokens_first``). An iteration whose prefill finishes a
+   prompt and leaves nothing to prefill (no prompt with chunks left, none queued) plans no
+   decode dispatch, unless the iteration before it planned none either: the new prompt's
+   first token is returned after its prefill alone, not after a decode step of every other
+   row as well. The other rows decode in the next iteration, their token coming after the
+   same work as before (the prefill, then a decode step), and the new sequence decodes
+   with them. Where more prefill is pending, deferring would hold the rows behind the next
+   chunk too, so they decode as usual.
+
 The plan is separate prefill-chunk and decode dispatches in one iteration (not one ragged
 step that mixes them): the decode dispatch is the K-step scan, whose point is K tokens per
 host round trip, and a mixed step would be one token per trip.
@@ -40,9 +51,13 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Protocol
 
-__all__ = ["POLICIES", "BlockCounter", "Plan", "Scheduler", "Sequence"]
+__all__ = ["DEFAULT_MAX_DISPATCH_MS", "POLICIES", "BlockCounter", "Plan", "Scheduler",
+           "Sequence"]
 
 POLICIES = ("fcfs", "shortest_first")
+# The longest a decode dispatch of K steps may take before the engine dispatches fewer
+# (``LLMEngine``'s ``max_dispatch_ms``): what a request arriving meanwhile waits, at most.
+DEFAULT_MAX_DISPATCH_MS = 100.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -122,6 +137,7 @@ class Plan:
     prefill: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
     decode: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
     decode_steps: int = 1  # the decode dispatch's number of steps (no row decodes more)
+    deferred: bool = False  # the decode rows wait for the next iteration (first tokens first)
 
     @property
     def empty(self) -> bool:
@@ -134,7 +150,7 @@ class Scheduler:
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, steps_per_dispatch: int,
                  block_size: int, steps_while_prefilling: int | None = None,
-                 policy: str = "fcfs"):
+                 policy: str = "fcfs", first_tokens_first: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}. Got {policy!r}.")
         self.policy = policy
@@ -145,6 +161,8 @@ class Scheduler:
         self.steps_while_prefilling = min(steps_while_prefilling or steps_per_dispatch,
                                           steps_per_dispatch)
         self.block_size = block_size
+        self.first_tokens_first = first_tokens_first
+        self._deferred = False  # whether the previous plan deferred its decode rows
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # holding a slot, in admission order
         self.free_slots = list(range(max_num_seqs))
@@ -203,15 +221,35 @@ class Scheduler:
         return (any(not s.decoding for s in self.running)
                 or bool(self.waiting and len(self.free_slots) >= self.waiting[0].fork))
 
-    def schedule(self, blocks: BlockCounter) -> Plan:
+    def schedule(self, blocks: BlockCounter, steps: int | None = None) -> Plan:
+        """The next iteration's plan. Its decode dispatch has ``steps`` steps (K, by
+        default) where nothing is prefilled, ``steps_while_prefilling`` where something is."""
+        k = self.steps_per_dispatch if steps is None else steps
         self._order_fresh()
-        if self.steps_while_prefilling < self.steps_per_dispatch and self.prefill_pending():
+        plan = None
+        if self.steps_while_prefilling < k and self.prefill_pending():
             plan = self._plan(blocks, self.steps_while_prefilling)
             # A plan without prefill or preemption changed nothing (no admission, no slot
             # moved): planning again with K is safe.
-            if plan.prefill or plan.preempt:
-                return plan
-        return self._plan(blocks, self.steps_per_dispatch)
+            if not (plan.prefill or plan.preempt):
+                plan = None
+        plan = self._plan(blocks, k) if plan is None else plan
+        # First tokens first (module docstring, 4). Not where the plan preempted: the pool
+        # is short, and the decode dispatch is what it made room for.
+        if (self.first_tokens_first and plan.decode and not plan.preempt
+                and not self._deferred and self._prefill_ends(plan)):
+            plan.decode, plan.deferred = [], True
+        self._deferred = plan.deferred
+        return plan
+
+    def _prefill_ends(self, plan: Plan) -> bool:
+        """Whether ``plan``'s prefill finishes a prompt and leaves none to prefill: every
+        started prompt finishes in it and none is queued. Deferring the decode rows then
+        costs them nothing: the next iteration decodes without a prefill beside it (unless
+        a request arrives in between)."""
+        finishing = {id(seq) for seq, start, n in plan.prefill if start + n == len(seq.target)}
+        return (bool(finishing) and not self.waiting
+                and all(s.decoding or id(s) in finishing for s in self.running))
 
     def _plan(self, blocks: BlockCounter, k: int) -> Plan:
         """One iteration's plan with decode dispatches of ``k`` steps."""
@@ -262,17 +300,20 @@ class Scheduler:
             if whole > free:
                 seq.cached = 0
                 break
+            start = seq.cached  # a prefix-cache hit, set by the lookup
+            length = min(len(seq.target) - start, tokens)
+            # Counted before the slot is taken: an admission's count includes its hit's
+            # evictable blocks, which stop being evictable once it holds them.
+            cost = blocks.prefill_need(seq, start + length)
             self.waiting.popleft()
             seq.slot = self.free_slots.pop(0)
             seq.reserved, self.free_slots = (self.free_slots[:seq.fork - 1],
                                              self.free_slots[seq.fork - 1:])
             self.running.append(seq)
             plan.admitted.append(seq)
-            start = seq.cached  # a prefix-cache hit, set by prefill_need's lookup
-            length = min(len(seq.target) - start, tokens)
             plan.prefill.append((seq, start, length))
             tokens -= length
-            free -= blocks.prefill_need(seq, start + length)
+            free -= cost
         return plan
 
     def _preempt(self, seq: Sequence, plan: Plan) -> None:

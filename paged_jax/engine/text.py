@@ -89,7 +89,9 @@ def answer(
     engine = LLMEngine(model, tokenizer, block_size=block_size, num_blocks=blocks,
                        max_num_seqs=1, max_model_len=blocks * block_size,
                        max_num_batched_tokens=width, steps_per_dispatch=steps_per_dispatch,
-                       enable_prefix_caching=False, seed=seed, steps=steps)
+                       # One request: no arrival waits behind a dispatch, so K throughout.
+                       max_dispatch_ms=None, enable_prefix_caching=False, seed=seed,
+                       steps=steps)
     engine.add_request("answer", ids, SamplingParams(
         temperature=temperature, top_k=top_k or -1, top_p=top_p, max_tokens=max_new_tokens,
         seed=seed))

@@ -13,10 +13,11 @@ variable ``PAGED_JAX_API_KEY``) makes every endpoint but ``/health`` ask for
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 
-from paged_jax.engine.scheduler import POLICIES
+from paged_jax.engine.scheduler import DEFAULT_MAX_DISPATCH_MS, POLICIES
 
 __all__ = ["build_parser", "main", "model_name"]
 
@@ -43,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-while-prefilling", type=int, default=1,
                    help="decode steps per dispatch in an iteration that prefills (at most "
                    "--steps-per-dispatch)")
+    p.add_argument("--max-dispatch-ms", type=float, default=DEFAULT_MAX_DISPATCH_MS,
+                   help="decode --steps-while-prefilling steps per dispatch wherever K steps "
+                   "took longer than this (LLMEngine's max_dispatch_ms); 0: K whenever "
+                   "nothing is prefilled")
     p.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES,
                    help="admission order; shortest_first takes the requests that arrived "
                    "together shortest prompt first")
@@ -72,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not 0 <= args.port < 65536:
         raise SystemExit(f"--port must be in [0, 65536), got {args.port}")
+    if not 0 <= args.max_dispatch_ms < math.inf:
+        raise SystemExit(f"--max-dispatch-ms must be >= 0 and finite (0: off), got "
+                         f"{args.max_dispatch_ms}")
     import uvicorn
 
     from paged_jax.engine.llm import LLM
@@ -85,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens,
               steps_per_dispatch=args.steps_per_dispatch,
               steps_while_prefilling=args.steps_while_prefilling,
+              max_dispatch_ms=args.max_dispatch_ms or None,
               scheduling_policy=args.scheduling_policy,
               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
               kv_cache_bytes=args.kv_cache_mib << 20)
