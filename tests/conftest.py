@@ -11,9 +11,13 @@ import pytest
 # configurations). JAX's persistent compilation cache lets every test process after the
 # first load such a program instead of compiling it again. It is keyed by the program and
 # the jax version, so a stale entry is never used; PAGED_JAX_TEST_CACHE names the folder
-# (default: one under the system's temporary directory, shared by the xdist workers).
-jax.config.update("jax_compilation_cache_dir", os.environ.get(
-    "PAGED_JAX_TEST_CACHE", os.path.join(tempfile.gettempdir(), "paged_jax_test_jax_cache")))
+# (default: one under the system's temporary directory). Each xdist worker keeps its own
+# subfolder: jax writes an entry in place, without a lock, and a worker that reads an entry
+# while another is still writing it aborts in deserialization.
+jax.config.update("jax_compilation_cache_dir", os.path.join(
+    os.environ.get("PAGED_JAX_TEST_CACHE",
+                   os.path.join(tempfile.gettempdir(), "paged_jax_test_jax_cache")),
+    os.environ.get("PYTEST_XDIST_WORKER", "main")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
