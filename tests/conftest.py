@@ -11,13 +11,13 @@ import pytest
 # configurations). JAX's persistent compilation cache lets every test process after the
 # first load such a program instead of compiling it again. It is keyed by the program and
 # the jax version, so a stale entry is never used; PAGED_JAX_TEST_CACHE names the folder
-# (default: one under the system's temporary directory). Each xdist worker keeps its own
-# subfolder: jax writes an entry in place, without a lock, and a worker that reads an entry
-# while another is still writing it aborts in deserialization.
-jax.config.update("jax_compilation_cache_dir", os.path.join(
-    os.environ.get("PAGED_JAX_TEST_CACHE",
-                   os.path.join(tempfile.gettempdir(), "paged_jax_test_jax_cache")),
-    os.environ.get("PYTEST_XDIST_WORKER", "main")))
+# (default: one under the system's temporary directory), which the xdist workers share.
+# A size limit turns on the cache's file lock around every read and write: without one,
+# jax writes an entry in place, unlocked, and a process or thread that reads it meanwhile
+# aborts in deserialization. The limit is far above what the suite writes.
+jax.config.update("jax_compilation_cache_dir", os.environ.get(
+    "PAGED_JAX_TEST_CACHE", os.path.join(tempfile.gettempdir(), "paged_jax_test_jax_cache")))
+jax.config.update("jax_compilation_cache_max_size", 64 * 2**30)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
@@ -32,6 +32,39 @@ def smollm2():
     from paged_jax.model.tokenizer import default_gguf_path
 
     return Models.load(default_gguf_path())
+
+
+@pytest.fixture(scope="session")
+def smollm2_two_layers(tmp_path_factory):
+    """SmolLM2-135M-Instruct cut to its first two layers, as ``smollm2`` is loaded: a GGUF
+    file with the package file's metadata (tokenizer, chat template, every hyperparameter
+    but ``llama.block_count``), its embedding, final norm and the tensors of layers 0 and 1,
+    byte for byte. Real weights, shapes and quantization, at a fraction of the compile time:
+    for tests of a benchmark's wiring against transformers, not of the model's answers."""
+    import gguf
+
+    from paged_jax.engine.bench_model import Models
+    from paged_jax.model.tokenizer import default_gguf_path
+
+    reader = gguf.GGUFReader(default_gguf_path())
+    path = tmp_path_factory.mktemp("smollm2_two_layers") / "smollm2-2-layers.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue  # the writer's own
+        kind = field.types[0]
+        value = 2 if field.name == "llama.block_count" else field.contents()
+        writer.add_key_value(field.name, value, kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY
+                             else None)
+    for t in reader.tensors:
+        if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < 2:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Models.load(path)
 
 @pytest.fixture(scope="module")
 def tiny_hf_dir(tmp_path_factory):

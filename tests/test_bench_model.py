@@ -1,6 +1,7 @@
-"""``paged-jax bench decode --model smollm2``: the table it prints parses, and the greedy ids
-it decodes on both sides equal a cache-free greedy loop over transformers' forward (an
-independent reference for the paged_jax side and for the benchmark's DynamicCache loop)."""
+"""``paged-jax bench decode --model smollm2``, on SmolLM2's first two layers: the table it
+prints parses, and the greedy ids it decodes on both sides equal a cache-free greedy loop over
+transformers' forward (an independent reference for the paged_jax side and for the
+benchmark's DynamicCache loop)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ ROW = re.compile(r"^\s*(\d+) \|\s*([\d.]+) \|\s*([\d.]+) \|\s*([\d.]+)x\s+(met|n
                  r"(\d+)/(\d+) of (\d+) tokens")
 
 
-def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys, smollm2):
+def test_bench_decode_smollm2_prints_a_table_and_the_reference_tokens(capsys,
+                                                                      smollm2_two_layers):
     """Batch 2, two chat prompts of different lengths: a ragged paged batch; also in tables
-    of 512 tokens, read by context width and whole."""
+    of 512 tokens, read by context width and whole. On SmolLM2's first two layers (its
+    weights, tokenizer and shapes), which compile in a fraction of the whole model's time:
+    the benchmark builds a dozen programs."""
     tokens = 8
-    models = smollm2  # loaded once for the session: the benchmark, the reference, other tests
+    models = smollm2_two_layers  # loaded once for the session
     assert bench_model.main(["--batch", "2", "--tokens", str(tokens), "--rounds", "1",
                              "--prefill-tokens", "48", "--table-tokens", "512",
                              "--show-tokens"], models=models) == 0
@@ -161,7 +165,8 @@ def test_bench_decode_hands_a_real_model_to_bench_model_which_checks_its_flags(a
         bench.main(["--model", "smollm2", *args] if "--checkpoint" not in args else args)
 
 
-def test_bench_decode_in_bf16_runs_both_sides_on_the_same_rounded_weights(capsys, smollm2):
+def test_bench_decode_in_bf16_runs_both_sides_on_the_same_rounded_weights(capsys,
+                                                                         smollm2_two_layers):
     """``--dtype bfloat16``: both sides hold the GGUF's weights rounded to bf16, bit for bit
     (transformers' model cast from the session's f32 one, as ``from_pretrained(dtype=...)``
     casts the same dequantised tensors); the table and the ablation lines parse."""
@@ -169,6 +174,7 @@ def test_bench_decode_in_bf16_runs_both_sides_on_the_same_rounded_weights(capsys
 
     from paged_jax.model.gguf import load_gguf, open_gguf
 
+    smollm2 = smollm2_two_layers  # SmolLM2's first two layers, as in the f32 test
     ours = load_gguf(open_gguf(smollm2.path), "bfloat16")
     theirs = copy.deepcopy(smollm2.theirs).to(torch.bfloat16)
     for name in ("q_proj", "k_proj"):  # the two llama.cpp permutes

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from paged_jax.engine.scheduler import Plan, Scheduler, Sequence
+from paged_jax.engine.scheduler import Plan, Scheduler, Sequence, max_dispatch_ms_flag
 
 
 def token(request: int, index: int, position: int) -> int:
@@ -653,3 +653,12 @@ def test_an_unknown_policy_is_refused_naming_it():
                                          r"\. Got 'sjf'"):
         Scheduler(max_num_seqs=1, max_num_batched_tokens=8, steps_per_dispatch=1,
                   block_size=4, policy="sjf")
+
+
+def test_the_max_dispatch_ms_flag_maps_0_to_no_budget_and_refuses_what_is_not_a_duration():
+    assert max_dispatch_ms_flag(0.0) is None
+    assert max_dispatch_ms_flag(250.0) == 250.0
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=rf"--max-dispatch-ms must be >= 0 and finite "
+                                             rf"\(0: off\), got {bad}"):
+            max_dispatch_ms_flag(bad)

@@ -66,7 +66,7 @@ import time
 
 import numpy as np
 
-from paged_jax.engine.scheduler import DEFAULT_MAX_DISPATCH_MS
+from paged_jax.engine.scheduler import DEFAULT_MAX_DISPATCH_MS, max_dispatch_ms_flag
 from paged_jax.engine.serve_baselines import BatchServer, StaticServer
 from paged_jax.engine.serve_metrics import (
     Request,
@@ -166,9 +166,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.steps_while_prefilling > args.steps_per_dispatch:
         raise ValueError(f"--steps-while-prefilling must be at most --steps-per-dispatch "
                          f"({args.steps_per_dispatch}), got {args.steps_while_prefilling}")
-    if not 0 <= args.max_dispatch_ms < math.inf:
-        raise ValueError(f"--max-dispatch-ms must be >= 0 and finite (0: off), got "
-                         f"{args.max_dispatch_ms}")
+    max_dispatch_ms_flag(args.max_dispatch_ms)
     if args.max_output_len < 2:
         raise ValueError(f"--max-output-len must be >= 2 (TPOT needs two tokens), got "
                          f"{args.max_output_len}")
@@ -238,7 +236,7 @@ class PagedServer:
                 max_model_len=self.max_len, max_num_batched_tokens=a.max_num_batched_tokens,
                 steps_per_dispatch=a.steps_per_dispatch,
                 **{"steps_while_prefilling": a.steps_while_prefilling,
-                   "max_dispatch_ms": a.max_dispatch_ms or None, **self.overrides},
+                   "max_dispatch_ms": max_dispatch_ms_flag(a.max_dispatch_ms), **self.overrides},
                 seed=a.seed, steps=self.steps)
             # Every prefill shape it can meet, compiled now: which ones a run meets depends
             # on the arrival order, which an HTTP client does not keep from pass to pass.

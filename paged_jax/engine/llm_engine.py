@@ -165,8 +165,9 @@ class LLMEngine:
         decode yet. Set it to K for K throughout.
       max_dispatch_ms: the longest a decode dispatch of K steps may take, so that a request
         that arrives meanwhile waits at most about this long for its prefill to start. The
-        engine times every decode dispatch; where the last one over as many rows
-        (``decode_rows_for``) took longer than this per K steps, it dispatches
+        engine times every decode dispatch but the first of each shape (which compiles it);
+        where the last one timed over as many rows (``decode_rows_for``) took longer than
+        this per K steps, it dispatches
         ``steps_while_prefilling`` steps instead (both lengths are compiled anyway; nothing
         new compiles). K amortizes a host round trip: it pays where steps are short (a small
         model, a GPU) and costs a new arrival most of the dispatch where they are long (a
@@ -248,8 +249,11 @@ class LLMEngine:
         self.steps_per_dispatch = steps_per_dispatch
         self.steps_while_prefilling = steps_while_prefilling
         self.max_dispatch_ms = max_dispatch_ms
-        # Per decode row count: seconds per step of the last dispatch over that many rows.
+        # Per decode row count: seconds per step of the last timed dispatch over that many
+        # rows. The first dispatch of each compiled shape is not timed: it includes its
+        # compilation (seconds), which would read as a slow step.
         self._step_seconds: dict[int, float] = {}
+        self._dispatched: set[tuple] = set()
         self.enable_prefix_caching = enable_prefix_caching
         self.seed, self.impl, self.debug = seed, impl, debug
         self.prefill_by_width = bool(prefill_by_width)
@@ -653,7 +657,10 @@ class LLMEngine:
             impl=self.impl, budgets=budgets, stop_ids=stop_ids,
             seeds=seeds if sampled else None, rows=rows)
         toks = np.asarray(jax.device_get(toks))  # [K, S], the host round trip
-        self._step_seconds[rows] = (time.perf_counter() - start) / plan.decode_steps
+        shape = (rows, plan.decode_steps, sampled, filtered, width)
+        if shape in self._dispatched:
+            self._step_seconds[rows] = (time.perf_counter() - start) / plan.decode_steps
+        self._dispatched.add(shape)
         status.raise_if_failed()
         # Blocks taken beyond the new ones were copies on write (a first write after a fork).
         self._cow_copies += free_before - int(self.state.num_free) - new_blocks

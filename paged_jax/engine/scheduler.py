@@ -48,16 +48,26 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Protocol
 
 __all__ = ["DEFAULT_MAX_DISPATCH_MS", "POLICIES", "BlockCounter", "Plan", "Scheduler",
-           "Sequence"]
+           "Sequence", "max_dispatch_ms_flag"]
 
 POLICIES = ("fcfs", "shortest_first")
 # The longest a decode dispatch of K steps may take before the engine dispatches fewer
 # (``LLMEngine``'s ``max_dispatch_ms``): what a request arriving meanwhile waits, at most.
 DEFAULT_MAX_DISPATCH_MS = 100.0
+
+
+def max_dispatch_ms_flag(value: float) -> float | None:
+    """A command line's ``--max-dispatch-ms`` as ``LLMEngine``'s ``max_dispatch_ms``: 0 is
+    None (K steps whenever nothing is prefilled). Raises ``ValueError`` naming a negative or
+    infinite value."""
+    if not 0 <= value < math.inf:
+        raise ValueError(f"--max-dispatch-ms must be >= 0 and finite (0: off), got {value}")
+    return value or None
 
 
 @dataclasses.dataclass(eq=False)

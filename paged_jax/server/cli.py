@@ -13,11 +13,10 @@ variable ``PAGED_JAX_API_KEY``) makes every endpoint but ``/health`` ask for
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import pathlib
 
-from paged_jax.engine.scheduler import DEFAULT_MAX_DISPATCH_MS, POLICIES
+from paged_jax.engine.scheduler import DEFAULT_MAX_DISPATCH_MS, POLICIES, max_dispatch_ms_flag
 
 __all__ = ["build_parser", "main", "model_name"]
 
@@ -77,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not 0 <= args.port < 65536:
         raise SystemExit(f"--port must be in [0, 65536), got {args.port}")
-    if not 0 <= args.max_dispatch_ms < math.inf:
-        raise SystemExit(f"--max-dispatch-ms must be >= 0 and finite (0: off), got "
-                         f"{args.max_dispatch_ms}")
+    try:
+        max_dispatch_ms = max_dispatch_ms_flag(args.max_dispatch_ms)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     import uvicorn
 
     from paged_jax.engine.llm import LLM
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens,
               steps_per_dispatch=args.steps_per_dispatch,
               steps_while_prefilling=args.steps_while_prefilling,
-              max_dispatch_ms=args.max_dispatch_ms or None,
+              max_dispatch_ms=max_dispatch_ms,
               scheduling_policy=args.scheduling_policy,
               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
               kv_cache_bytes=args.kv_cache_mib << 20)
