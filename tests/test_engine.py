@@ -523,10 +523,11 @@ def test_bad_engine_arguments_name_the_value(model, steps, kwargs, message):
         engine(model, steps, **kwargs)
 
 
-def spy_decode_steps(eng, steps, calls):
-    """Record ``(rows, num_steps)`` of every decode dispatch ``eng`` makes."""
+def spy_decode_steps(eng, steps, calls, record=lambda rows, num_steps: (rows, num_steps)):
+    """Append ``record(rows, num_steps)`` to ``calls`` for every decode dispatch ``eng``
+    makes, before it runs."""
     def spy(*args, rows=None, num_steps, **kwargs):
-        calls.append((rows, num_steps))
+        calls.append(record(rows, num_steps))
         return steps.decode_steps(*args, rows=rows, num_steps=num_steps, **kwargs)
 
     eng.steps = type("Spy", (), {"__getattr__": lambda _, n: getattr(steps, n),
@@ -608,15 +609,9 @@ def test_decode_dispatches_compute_the_slots_up_to_the_highest_decoding_one(mode
                  max_dispatch_ms=None, first_tokens_first=False)
     eng = llm.engine
     calls = []
-    decode_steps = eng.steps.decode_steps
-
-    def spy(*args, rows=None, num_steps, **kwargs):
-        highest = max(s.slot for s in eng.scheduler.running if s.decoding)
-        calls.append((rows, highest, num_steps, eng.scheduler.prefill_pending()))
-        return decode_steps(*args, rows=rows, num_steps=num_steps, **kwargs)
-
-    eng.steps = type("Spy", (), {"__getattr__": lambda _, n: getattr(steps, n),
-                                 "decode_steps": staticmethod(spy)})()
+    spy_decode_steps(eng, steps, calls, lambda rows, num_steps: (
+        rows, max(s.slot for s in eng.scheduler.running if s.decoding), num_steps,
+        eng.scheduler.prefill_pending()))
     prompts = prompts_of([4, 9, 6, 3, 7, 5], seed=5)
     lengths = [2, 4, 9, 3, 12, 6]
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n)

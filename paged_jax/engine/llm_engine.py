@@ -167,11 +167,11 @@ class LLMEngine:
         that arrives meanwhile waits at most about this long for its prefill to start. The
         engine times every decode dispatch but the first of each shape (which compiles it);
         where the last one timed over as many rows (``decode_rows_for``) took longer than
-        this per K steps, it dispatches
-        ``steps_while_prefilling`` steps instead (both lengths are compiled anyway; nothing
-        new compiles). K amortizes a host round trip: it pays where steps are short (a small
-        model, a GPU) and costs a new arrival most of the dispatch where they are long (a
-        real model on a CPU). None: K whenever nothing is prefilled.
+        this per K steps, it dispatches ``steps_while_prefilling`` steps instead (the length
+        iterations that prefill use; ``warm_up`` compiles both). K amortizes a host round
+        trip: it pays where steps are short (a small model, a GPU) and costs a new arrival
+        most of the dispatch where they are long (a real model on a CPU). None: K whenever
+        nothing is prefilled.
       first_tokens_first: an iteration whose prefill finishes a prompt and leaves none to
         prefill runs no decode dispatch (never two such iterations in a row; ``scheduler``'s
         docstring, 4), so ``step()`` returns the prompt's first token after its prefill
