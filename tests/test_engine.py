@@ -167,6 +167,65 @@ def test_prefill_chunks_run_one_dispatch_per_width_class(model, steps, reference
     assert sorted(shapes) == ([(1, 32), (2, 16)] if by_width else [(4, 32)])
 
 
+@pytest.mark.parametrize("deliver", [True, False])
+def test_each_prefill_dispatch_returns_its_first_tokens(model, steps, reference, deliver):
+    """r0 decodes; r1 (30 tokens) and r2 (5) arrive together, so one iteration prefills a
+    (1, 32) and a (1, 16) chunk and decodes r0. The narrower dispatch runs first and, with
+    ``deliver_each_prefill``, ``step()`` returns r2's first token after it; the next call
+    runs the rest of that iteration (r1's prefill, and r0's decode step unless r0 was
+    aborted in between, as here) before planning another. Without it one call runs the
+    whole iteration. r4 arrives after the first call: it waits for a new plan. The tokens
+    are the dense reference's either way."""
+    calls = []
+
+    class Recording:  # the engine's Steps, recording each dispatch's shape as it runs
+        def __getattr__(self, name):
+            return getattr(steps, name)
+
+        def prefill(self, params, kv, state, tokens, *args, **kwargs):
+            calls.append(("prefill", tokens.shape))
+            return steps.prefill(params, kv, state, tokens, *args, **kwargs)
+
+        def decode_steps(self, *args, num_steps, **kwargs):
+            calls.append(("decode", num_steps))
+            return steps.decode_steps(*args, num_steps=num_steps, **kwargs)
+
+    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=8, max_model_len=DENSE_LEN,
+                    num_blocks=64, max_num_batched_tokens=64, steps_per_dispatch=2,
+                    max_dispatch_ms=None, first_tokens_first=False, debug=True,
+                    deliver_each_prefill=deliver)
+    eng.steps = Recording()
+    prompts = prompts_of([6, 30, 5, 9, 7], seed=14)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+
+    def step():
+        before = len(calls)
+        new = {o.request_id: len(o.outputs[0].token_ids) for o in eng.step()}
+        return new, calls[before:]
+
+    eng.add_request("r0", prompts[0], greedy)
+    assert step() == ({"r0": 1}, [("prefill", (1, 16))])
+    for i in (1, 2, 3):
+        eng.add_request(f"r{i}", prompts[i], greedy)
+    both = [("prefill", (2, 16)), ("prefill", (1, 32)), ("decode", 1)]
+    if deliver:
+        assert step() == ({"r2": 1, "r3": 1}, both[:1])
+        eng.abort_request("r0")
+        eng.add_request("r4", prompts[4], greedy)
+        assert step() == ({"r1": 1}, both[1:2])  # r0's decode row left with it
+    else:
+        assert step() == ({"r0": 2, "r1": 1, "r2": 1, "r3": 1}, both)
+        eng.abort_request("r0")
+        eng.add_request("r4", prompts[4], greedy)
+    assert step()[1][0] == ("prefill", (1, 16))  # a new plan: r4's prefill
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+    assert "r0" not in outs
+    assert [outs[f"r{i}"] for i in (1, 2, 3, 4)] == [reference(prompts[i], 6)
+                                                    for i in (1, 2, 3, 4)]
+
+
 @pytest.mark.parametrize("policy, order", [("fcfs", ["r0", "r1", "r2", "r3"]),
                                            ("shortest_first", ["r1", "r3", "r2", "r0"])])
 def test_requests_added_together_are_admitted_in_the_policy_order(model, steps, reference,

@@ -12,7 +12,8 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
   (``--steps-while-prefilling`` in an iteration that also prefills, or where K steps took
   longer than ``--max-dispatch-ms``; ``paged_jax_whole_k`` keeps K); an iteration that
   finishes a prompt defers the decode rows to the next (``paged_jax_decode_every_iteration``
-  does not); requests are admitted
+  does not); ``step()`` returns after each prefill dispatch that finishes a prompt
+  (``paged_jax_whole_iteration`` runs the whole iteration in one call); requests are admitted
   first come first served (``paged_jax_shortest_first`` admits the ones that arrived
   together shortest prompt first). Each engine
   first compiles every prefill shape it can dispatch (``engine.warmup.warm_up``); each
@@ -97,6 +98,9 @@ ABLATIONS = {
     "paged_jax_decode_every_iteration": (
         lambda a: {"first_tokens_first": False},
         "first tokens first vs a decode dispatch in every iteration"),
+    "paged_jax_whole_iteration": (
+        lambda a: {"deliver_each_prefill": False},
+        "first tokens after their prefill dispatch vs after the whole iteration"),
     "paged_jax_shortest_first": (lambda a: {"scheduling_policy": "shortest_first"},
                                  "fcfs vs shortest_first"),
 }

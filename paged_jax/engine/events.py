@@ -116,7 +116,8 @@ class Finished:
 @dataclasses.dataclass(frozen=True)
 class StepDone:
     """The end of one ``step``: the ``BlockState`` it left, ``slots`` (slot -> (request id,
-    completion index)) and the iteration's counts."""
+    completion index)) and the counts of what it ran (an iteration, or the part of one that
+    ``LLMEngine``'s ``deliver_each_prefill`` returns after)."""
 
     step: int
     state: Any

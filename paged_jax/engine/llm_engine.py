@@ -3,15 +3,17 @@
 The engine holds the model as ``(graphdef, params)`` and its ``Steps`` (the jitted prefill
 and decode, built once), the paged ``KVCache``, the allocator's ``BlockState``, the jitted
 allocator ops it applies between dispatches, the ``Scheduler`` and the ``PrefixCache``.
-Each ``step()`` runs one iteration of the scheduler's plan:
+Each ``step()`` runs one iteration of the scheduler's plan, or the next part of one:
 
 1. release the slots of preempted sequences;
 2. evict cached blocks the iteration needs (least recently used first);
-3. one ragged ``prefill`` of the planned chunks (new admissions start on their prefix-cache
-   hit through ``admit_cached`` and prefill only the rest); a prompt whose last chunk ran
-   samples its first token, and a request with ``n > 1`` forks its completions there
-   (``fork``: they share every block; the first decode dispatch copies the partly filled
-   last block on write);
+3. the planned chunks' ``prefill``, one ragged dispatch per width class, narrowest first
+   (new admissions start on their prefix-cache hit through ``admit_cached`` and prefill
+   only the rest); a prompt whose last chunk ran samples its first token, and a request
+   with ``n > 1`` forks its completions there (``fork``: they share every block; the first
+   decode dispatch copies the partly filled last block on write). After a dispatch that
+   finished a prompt, with more of the iteration left, ``step()`` returns that first token
+   and the next call goes on with the iteration (``deliver_each_prefill``);
 4. one ``decode_steps`` dispatch of K steps for every decoding sequence (of
    ``steps_while_prefilling`` steps in an iteration that prefills, or where K steps over as
    many rows last took longer than ``max_dispatch_ms``), with each row's remaining budget
@@ -117,6 +119,16 @@ class _Request:
                                 and all(s.finish_reason is not None for s in self.seqs))
 
 
+@dataclasses.dataclass
+class _Iteration:
+    """A planned iteration in progress: its prefill dispatches still to run, ``(width,
+    rows)`` narrowest first, then its plan's decode."""
+
+    plan: Plan
+    groups: list[tuple[int, list]]
+    now: float  # when it was planned: a new prompt's first_scheduled_time
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine (``LLMEngine.stats``). Token occupancy is the tokens the
@@ -177,6 +189,12 @@ class LLMEngine:
         docstring, 4), so ``step()`` returns the prompt's first token after its prefill
         alone; the other rows decode in the next iteration, with the new one. False: every
         iteration decodes.
+      deliver_each_prefill: an iteration's prefill dispatches (one per width class) run
+        narrowest first, and ``step()`` returns after each one that finishes a prompt while
+        more of the iteration is left: the prompt's first token comes back after its own
+        dispatch, not after the iteration's wider chunks and its decode as well. The next
+        ``step()`` call runs the rest of the iteration before planning another, so every
+        dispatch is the one the plan made. False: ``step()`` runs the whole iteration.
       enable_prefix_caching: keep full blocks for later prompts with the same prefix.
       scheduling_policy: the admission order. ``"fcfs"``: arrival order. ``"shortest_first"``:
         the requests added since the previous ``step`` go shortest prompt first among
@@ -205,7 +223,8 @@ class LLMEngine:
                  max_model_len: int = 1024, max_num_batched_tokens: int = 512,
                  steps_per_dispatch: int = 8, steps_while_prefilling: int = 1,
                  max_dispatch_ms: float | None = DEFAULT_MAX_DISPATCH_MS,
-                 first_tokens_first: bool = True, enable_prefix_caching: bool = True,
+                 first_tokens_first: bool = True, deliver_each_prefill: bool = True,
+                 enable_prefix_caching: bool = True,
                  scheduling_policy: str = "fcfs",
                  seed: int = 0, impl: str = "auto", kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  debug: bool = False, steps: Steps | None = None,
@@ -257,6 +276,8 @@ class LLMEngine:
         self.enable_prefix_caching = enable_prefix_caching
         self.seed, self.impl, self.debug = seed, impl, debug
         self.prefill_by_width = bool(prefill_by_width)
+        self.deliver_each_prefill = bool(deliver_each_prefill)
+        self._rest: _Iteration | None = None  # the iteration step() is part way through
         self.bucket_decode_rows = bool(bucket_decode_rows)
 
         graphdef = nnx.split(model)[0]
@@ -418,34 +439,38 @@ class LLMEngine:
     # -- one iteration -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the requests whose outputs changed (new tokens, or
-        finished), each with its whole output so far."""
-        snap = PoolSnapshot.take(self.state, self.prefix_cache, self.cache_config.block_size,
-                                 self.enable_prefix_caching)
-        plan = self.scheduler.schedule(snap, steps=self.dispatch_steps())
-        touched: dict[str, _Request] = {}
-        now = time.perf_counter()
-        for seq, slot in plan.preempt:
-            self._publish(lambda seq=seq, slot=slot: ev.Preempted(
-                seq.request_id, seq.index, slot, self._slot_blocks(slot)))
-            self._release_slots([slot])
-            self.requests[seq.request_id].metrics.preemptions += 1
-        self._evict_for(plan, snap)
-        copies = self._cow_copies
-        if plan.prefill:
-            self._run_prefill(plan, snap, touched, now)
-        if plan.decode:
-            self._run_decode(plan, touched)
+        """Run one iteration, or its next part (``deliver_each_prefill``); returns the
+        requests whose outputs changed (new tokens, or finished), each with its whole output
+        so far."""
+        if self._rest is None:
+            self._rest = self._begin()
+        rest, touched = self._rest, {}
+        copies, prefilled = self._cow_copies, 0
+        while rest.groups:
+            width, rows = rest.groups.pop(0)
+            rows = [row for row in rows if row[0].finish_reason is None]  # aborted meanwhile
+            if not rows:
+                continue
+            prefilled += sum(n for _, _, n in rows)
+            if self._prefill_group(rows, width, rest.now, touched) and rest.groups \
+                    and self.deliver_each_prefill:
+                break
+        decode = []
+        if not rest.groups:
+            self._rest = None
+            decode = [(s, n) for s, n in rest.plan.decode if s.finish_reason is None]
+            if decode:
+                self._run_decode(dataclasses.replace(rest.plan, decode=decode), touched)
         if self.debug:
             self.check()
         self.steps_run += 1
         self._publish(lambda: ev.StepDone(
             step=self.steps_run, state=self.state,
             slots={s.slot: (s.request_id, s.index) for s in self.scheduler.running},
-            prefill_tokens=sum(n for _, _, n in plan.prefill), decode_rows=len(plan.decode),
+            prefill_tokens=prefilled, decode_rows=len(decode),
             copies=self._cow_copies - copies))
         # Tokens reach the caller when step() returns, not when their dispatch ended: a
-        # prompt's first token waits for the decode dispatch that follows its prefill.
+        # prompt's first token waits for the dispatches that follow its prefill in the call.
         delivered = time.perf_counter()
         for req in touched.values():
             req.metrics.deliver(delivered)
@@ -455,6 +480,24 @@ class LLMEngine:
                 del self.requests[req.request_id]
                 self.finished_metrics.append((req.request_id, req.metrics))
         return outputs
+
+    def _begin(self) -> _Iteration:
+        """Plan an iteration and start it: preempted slots released, cached blocks evicted
+        for it, new admissions entered on their prefix-cache hits. Its prefill dispatches and
+        its decode are left to run."""
+        snap = PoolSnapshot.take(self.state, self.prefix_cache, self.cache_config.block_size,
+                                 self.enable_prefix_caching)
+        plan = self.scheduler.schedule(snap, steps=self.dispatch_steps())
+        now = time.perf_counter()
+        for seq, slot in plan.preempt:
+            self._publish(lambda seq=seq, slot=slot: ev.Preempted(
+                seq.request_id, seq.index, slot, self._slot_blocks(slot)))
+            self._release_slots([slot])
+            self.requests[seq.request_id].metrics.preemptions += 1
+        self._evict_for(plan, snap)
+        if plan.admitted:
+            self._admit(plan, snap)
+        return _Iteration(plan, self._prefill_groups(plan), now)
 
     def _evict_for(self, plan: Plan, snap: PoolSnapshot) -> None:
         """Free cached blocks until the plan's new blocks fit in the free list."""
@@ -481,44 +524,48 @@ class LLMEngine:
             self._publish(lambda: ev.BlockRemoved([ev.hash_int(hashes[b]) for b in gone],
                                                   list(gone), self._refs(gone)))
 
-    def _run_prefill(self, plan: Plan, snap: PoolSnapshot, touched, now: float) -> None:
+    def _admit(self, plan: Plan, snap: PoolSnapshot) -> None:
+        """Start the plan's new admissions on their prefix-cache hits (or on nothing)."""
         cfg = self.cache_config
+        ids = np.full(cfg.max_seqs, -1, np.int32)
+        tables = np.full((cfg.max_seqs, cfg.max_blocks_per_seq), -1, np.int32)
+        counts = np.zeros(cfg.max_seqs, np.int32)
+        for i, s in enumerate(plan.admitted):
+            blocks = snap.hits.get(id(s), [])[: s.cached // cfg.block_size]
+            ids[i] = s.slot
+            tables[i, : len(blocks)] = blocks
+            counts[i] = s.cached
+            self._chain[s.slot] = (len(blocks), self._hash_of(blocks))
+            record = snap.lookups.get(id(s))
+            if record is not None:
+                self.lookups.append((s.request_id, record))
+                self._hit_tokens += record.hit_tokens
+                self._looked_up_tokens += max(record.target_tokens - 1, 0)
+            self._publish(lambda s=s, blocks=blocks, record=record: ev.Admitted(
+                s.request_id, s.index, s.slot, [int(b) for b in blocks], record))
+        self.state, status = self._admit_cached(self.state, ids, tables, counts)
+        status.raise_if_failed()
+
+    def _prefill_groups(self, plan: Plan) -> list[tuple[int, list]]:
+        """The plan's prefill chunks as ``(width, rows)`` dispatches, narrowest first. A
+        prefill computes rows x width positions, padding included: one dispatch per width
+        class, so that a short chunk is not padded to the longest one's width (every row
+        extends its active slot)."""
         rows = plan.prefill
-        # New admissions start on their prefix-cache hit (or on nothing); every prefill row
-        # then extends its active slot.
-        if plan.admitted:
-            ids = np.full(cfg.max_seqs, -1, np.int32)
-            tables = np.full((cfg.max_seqs, cfg.max_blocks_per_seq), -1, np.int32)
-            counts = np.zeros(cfg.max_seqs, np.int32)
-            for i, s in enumerate(plan.admitted):
-                blocks = snap.hits.get(id(s), [])[: s.cached // cfg.block_size]
-                ids[i] = s.slot
-                tables[i, : len(blocks)] = blocks
-                counts[i] = s.cached
-                self._chain[s.slot] = (len(blocks), self._hash_of(blocks))
-                record = snap.lookups.get(id(s))
-                if record is not None:
-                    self.lookups.append((s.request_id, record))
-                    self._hit_tokens += record.hit_tokens
-                    self._looked_up_tokens += max(record.target_tokens - 1, 0)
-                self._publish(lambda s=s, blocks=blocks, record=record: ev.Admitted(
-                    s.request_id, s.index, s.slot, [int(b) for b in blocks], record))
-            self.state, status = self._admit_cached(self.state, ids, tables, counts)
-            status.raise_if_failed()
-        # A prefill computes rows x width positions, padding included: one dispatch per
-        # width class, so that a short chunk is not padded to the longest one's width.
+        if not rows:
+            return []
         by_width: dict[int, list] = {}
         widest = max(length for _, _, length in rows)
         for row in rows:
             length = row[2] if self.prefill_by_width else widest
             width = pow2_at_least(length, MIN_PREFILL_WIDTH, self.max_num_batched_tokens)
             by_width.setdefault(width, []).append(row)
-        for width, group in by_width.items():  # in the plan's order of their first rows
-            self._prefill_group(group, width, now, touched)
+        return sorted(by_width.items())
 
-    def _prefill_group(self, rows, width: int, now: float, touched) -> None:
+    def _prefill_group(self, rows, width: int, now: float, touched) -> bool:
         """One prefill dispatch of ``rows`` (``(seq, start, length)`` chunks, each at most
-        ``width`` tokens), then each finished prompt's first token."""
+        ``width`` tokens), then each finished prompt's first token; whether a prompt
+        finished."""
         nrows = pow2_at_least(len(rows), 1, self.cache_config.max_seqs)
         self._prefill_shapes.add((nrows, width))
         tokens = np.zeros((nrows, width), np.int32)
@@ -542,6 +589,7 @@ class LLMEngine:
                 done.append((i, s))
         if done:
             self._first_tokens(logits, done, touched)
+        return bool(done)
 
     def _hash_of(self, blocks) -> bytes:
         return self.prefix_cache.by_block[blocks[-1]] if blocks else ROOT
