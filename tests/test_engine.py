@@ -143,20 +143,11 @@ def test_prefill_chunks_run_one_dispatch_per_width_class(model, steps, reference
     """Chunks of 5, 30 and 9 tokens in one iteration: by width, a (2, 16) dispatch for the
     short ones and a (1, 32) one for the long one (48 positions); otherwise one (4, 32)
     dispatch (128). The outputs are the reference's either way."""
-    shapes = []
-
-    class Recording:  # the engine's Steps, recording each prefill's token shape
-        def __getattr__(self, name):
-            return getattr(steps, name)
-
-        def prefill(self, params, kv, state, tokens, *args, **kwargs):
-            shapes.append(tokens.shape)
-            return steps.prefill(params, kv, state, tokens, *args, **kwargs)
-
+    calls = []
     prompts = prompts_of([5, 30, 9], seed=12)
     eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=4, max_model_len=DENSE_LEN,
                     num_blocks=64, max_num_batched_tokens=64, prefill_by_width=by_width)
-    eng.steps = Recording()
+    spy_dispatches(eng, steps, calls)
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, GREEDY)
     outs = {}
@@ -164,37 +155,26 @@ def test_prefill_chunks_run_one_dispatch_per_width_class(model, steps, reference
         outs.update({o.request_id: o for o in eng.step() if o.finished})
     assert [outs[f"r{i}"].outputs[0].token_ids for i in range(3)] == [
         reference(p, 12) for p in prompts]
+    shapes = [shape for kind, shape in calls if kind == "prefill"]
     assert sorted(shapes) == ([(1, 32), (2, 16)] if by_width else [(4, 32)])
 
 
 @pytest.mark.parametrize("deliver", [True, False])
 def test_each_prefill_dispatch_returns_its_first_tokens(model, steps, reference, deliver):
-    """r0 decodes; r1 (30 tokens) and r2 (5) arrive together, so one iteration prefills a
-    (1, 32) and a (1, 16) chunk and decodes r0. The narrower dispatch runs first and, with
-    ``deliver_each_prefill``, ``step()`` returns r2's first token after it; the next call
+    """r0 decodes; r1 (30 tokens), r2 (5) and r3 (9) arrive together, so one iteration
+    prefills a (1, 32) and a (2, 16) dispatch and decodes r0. The narrower dispatch runs
+    first and, with ``deliver_each_prefill``, ``step()`` returns r2's and r3's first tokens
+    after it; the next call
     runs the rest of that iteration (r1's prefill, and r0's decode step unless r0 was
     aborted in between, as here) before planning another. Without it one call runs the
     whole iteration. r4 arrives after the first call: it waits for a new plan. The tokens
     are the dense reference's either way."""
     calls = []
-
-    class Recording:  # the engine's Steps, recording each dispatch's shape as it runs
-        def __getattr__(self, name):
-            return getattr(steps, name)
-
-        def prefill(self, params, kv, state, tokens, *args, **kwargs):
-            calls.append(("prefill", tokens.shape))
-            return steps.prefill(params, kv, state, tokens, *args, **kwargs)
-
-        def decode_steps(self, *args, num_steps, **kwargs):
-            calls.append(("decode", num_steps))
-            return steps.decode_steps(*args, num_steps=num_steps, **kwargs)
-
     eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=8, max_model_len=DENSE_LEN,
                     num_blocks=64, max_num_batched_tokens=64, steps_per_dispatch=2,
                     max_dispatch_ms=None, first_tokens_first=False, debug=True,
                     deliver_each_prefill=deliver)
-    eng.steps = Recording()
+    spy_dispatches(eng, steps, calls)
     prompts = prompts_of([6, 30, 5, 9, 7], seed=14)
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
 
@@ -591,6 +571,18 @@ def spy_decode_steps(eng, steps, calls, record=lambda rows, num_steps: (rows, nu
 
     eng.steps = type("Spy", (), {"__getattr__": lambda _, n: getattr(steps, n),
                                  "decode_steps": staticmethod(spy)})()
+
+
+def spy_dispatches(eng, steps, calls):
+    """Append ``("prefill", tokens.shape)`` or ``("decode", num_steps)`` to ``calls`` for
+    every dispatch ``eng`` makes, in order, before it runs."""
+    spy_decode_steps(eng, steps, calls, lambda rows, num_steps: ("decode", num_steps))
+
+    def prefill(params, kv, state, tokens, *args, **kwargs):
+        calls.append(("prefill", tokens.shape))
+        return steps.prefill(params, kv, state, tokens, *args, **kwargs)
+
+    eng.steps.prefill = prefill
 
 
 @pytest.mark.parametrize("budget_ms", [1e-9, 1e9])
