@@ -1,25 +1,24 @@
 """Fixtures shared across test files, and the suite's compilation cache."""
 
 import os
-import tempfile
 
 import jax
 import pytest
 
-# Many tests compile the same step over the same tiny model and pool shape (a Steps and the
-# module functions it binds lower to one program; test files share model and pool
-# configurations). JAX's persistent compilation cache lets every test process after the
-# first load such a program instead of compiling it again. It is keyed by the program and
-# the jax version, so a stale entry is never used; PAGED_JAX_TEST_CACHE names the folder
-# (default: one under the system's temporary directory), which the xdist workers share.
-# A size limit turns on the cache's file lock around every read and write: without one,
-# jax writes an entry in place, unlocked, and a process or thread that reads it meanwhile
-# aborts in deserialization. The limit is far above what the suite writes.
-jax.config.update("jax_compilation_cache_dir", os.environ.get(
-    "PAGED_JAX_TEST_CACHE", os.path.join(tempfile.gettempdir(), "paged_jax_test_jax_cache")))
-jax.config.update("jax_compilation_cache_max_size", 64 * 2**30)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# JAX's persistent compilation cache is off unless PAGED_JAX_TEST_CACHE names a folder for
+# it. Many tests compile the same step over the same tiny model and pool shape, so a warm
+# cache saves a second run on one machine some of its compile time. It stays off by default
+# because loading an executable back is where the suite crashed: on a fresh machine (CI),
+# where nothing survives the run anyway, an xdist worker died with a segmentation fault in
+# XLA:CPU's deserialize_executable (reading the entry had held the cache's file lock), and
+# the run then hung until its time limit. With the cache off that code is never reached.
+# A size limit turns on the cache's file lock around every read and write; the limit is
+# far above what the suite writes.
+if os.environ.get("PAGED_JAX_TEST_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["PAGED_JAX_TEST_CACHE"])
+    jax.config.update("jax_compilation_cache_max_size", 64 * 2**30)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(scope="session")
