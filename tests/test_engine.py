@@ -206,6 +206,39 @@ def test_each_prefill_dispatch_returns_its_first_tokens(model, steps, reference,
                                                     for i in (1, 2, 3, 4)]
 
 
+def test_an_iteration_left_with_only_aborted_rows_is_replanned(model, steps, reference):
+    """As above with ``deliver_each_prefill``: after the call that returns r2's and r3's
+    first tokens, r0 (its decode row) and r1 (its prefill) are aborted, so nothing of that
+    iteration is left to run. The next call plans anew and prefills r4 rather than running
+    an empty part; its ``StepDone`` counts r4's tokens."""
+    from paged_jax.engine.events import StepDone
+
+    calls, done = [], []
+    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=8, max_model_len=DENSE_LEN,
+                    num_blocks=64, max_num_batched_tokens=64, steps_per_dispatch=2,
+                    max_dispatch_ms=None, first_tokens_first=False, debug=True)
+    spy_dispatches(eng, steps, calls)
+    eng.add_listener(lambda e: done.append(e) if isinstance(e, StepDone) else None)
+    prompts = prompts_of([6, 30, 5, 9, 7], seed=14)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    eng.add_request("r0", prompts[0], greedy)
+    eng.step()
+    for i in (1, 2, 3):
+        eng.add_request(f"r{i}", prompts[i], greedy)
+    assert {o.request_id for o in eng.step()} == {"r2", "r3"}
+    eng.abort_request("r0")
+    eng.abort_request("r1")
+    eng.add_request("r4", prompts[4], greedy)
+    before = len(calls)
+    assert {o.request_id: len(o.outputs[0].token_ids) for o in eng.step()}["r4"] == 1
+    assert calls[before] == ("prefill", (1, 16))
+    assert done[-1].prefill_tokens == 7
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+    assert [outs[f"r{i}"] for i in (2, 3, 4)] == [reference(prompts[i], 6) for i in (2, 3, 4)]
+
+
 @pytest.mark.parametrize("policy, order", [("fcfs", ["r0", "r1", "r2", "r3"]),
                                            ("shortest_first", ["r1", "r3", "r2", "r0"])])
 def test_requests_added_together_are_admitted_in_the_policy_order(model, steps, reference,

@@ -128,6 +128,11 @@ class _Iteration:
     groups: list[tuple[int, list]]
     now: float  # when it was planned: a new prompt's first_scheduled_time
 
+    def live(self) -> bool:
+        """Whether any row it has left to run is unfinished (an abort finishes its rows)."""
+        return (any(row[0].finish_reason is None for _, rows in self.groups for row in rows)
+                or any(s.finish_reason is None for s, _ in self.plan.decode))
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
@@ -442,6 +447,8 @@ class LLMEngine:
         """Run one iteration, or its next part (``deliver_each_prefill``); returns the
         requests whose outputs changed (new tokens, or finished), each with its whole output
         so far."""
+        if self._rest is not None and not self._rest.live():
+            self._rest = None  # all it had left was aborted: plan anew rather than run nothing
         if self._rest is None:
             self._rest = self._begin()
         rest, touched = self._rest, {}
