@@ -1,4 +1,4 @@
-"""Fixtures shared across test files, and the suite's compilation cache."""
+"""Fixtures shared across test files, and the suite's compilation settings."""
 
 import os
 
@@ -18,13 +18,12 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 # JAX's persistent compilation cache is off unless PAGED_JAX_TEST_CACHE names a folder for
 # it. Many tests compile the same step over the same tiny model and pool shape, so a warm
-# cache saves a second run on one machine some of its compile time. It stays off by default
-# because loading an executable back is where the suite crashed: on a fresh machine (CI),
-# where nothing survives the run anyway, an xdist worker died with a segmentation fault in
-# XLA:CPU's deserialize_executable (reading the entry had held the cache's file lock), and
-# the run then hung until its time limit. With the cache off that code is never reached.
-# A size limit turns on the cache's file lock around every read and write; the limit is
-# far above what the suite writes.
+# cache saves a later run on the same machine some compile time. It is off by default
+# because loading an entry back, in XLA:CPU's deserialize_executable, can kill an xdist
+# worker with a segmentation fault (the cache's file lock covers reading the file, not
+# deserializing it), and a fresh machine such as CI keeps nothing between runs anyway.
+# A size limit turns on that file lock around every read and write; the limit is far
+# above what the suite writes.
 if os.environ.get("PAGED_JAX_TEST_CACHE"):
     jax.config.update("jax_compilation_cache_dir", os.environ["PAGED_JAX_TEST_CACHE"])
     jax.config.update("jax_compilation_cache_max_size", 64 * 2**30)

@@ -159,6 +159,18 @@ def test_prefill_chunks_run_one_dispatch_per_width_class(model, steps, reference
     assert sorted(shapes) == ([(1, 32), (2, 16)] if by_width else [(4, 32)])
 
 
+def split_iteration_engine(model, steps, calls, deliver):
+    """The engine and prompts r0..r4 (6, 30, 5, 9 and 7 tokens) of the two tests below:
+    prompts of 30, 5 and 9 tokens added together make a (2, 16) and a (1, 32) prefill
+    dispatch. Its dispatches are appended to ``calls``."""
+    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=8, max_model_len=DENSE_LEN,
+                    num_blocks=64, max_num_batched_tokens=64, steps_per_dispatch=2,
+                    max_dispatch_ms=None, first_tokens_first=False, debug=True,
+                    deliver_each_prefill=deliver)
+    spy_dispatches(eng, steps, calls)
+    return eng, prompts_of([6, 30, 5, 9, 7], seed=14)
+
+
 @pytest.mark.parametrize("deliver", [True, False])
 def test_each_prefill_dispatch_returns_its_first_tokens(model, steps, reference, deliver):
     """r0 decodes; r1 (30 tokens), r2 (5) and r3 (9) arrive together, so one iteration
@@ -170,12 +182,7 @@ def test_each_prefill_dispatch_returns_its_first_tokens(model, steps, reference,
     whole iteration. r4 arrives after the first call: it waits for a new plan. The tokens
     are the dense reference's either way."""
     calls = []
-    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=8, max_model_len=DENSE_LEN,
-                    num_blocks=64, max_num_batched_tokens=64, steps_per_dispatch=2,
-                    max_dispatch_ms=None, first_tokens_first=False, debug=True,
-                    deliver_each_prefill=deliver)
-    spy_dispatches(eng, steps, calls)
-    prompts = prompts_of([6, 30, 5, 9, 7], seed=14)
+    eng, prompts = split_iteration_engine(model, steps, calls, deliver)
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
 
     def step():
@@ -214,12 +221,8 @@ def test_an_iteration_left_with_only_aborted_rows_is_replanned(model, steps, ref
     from paged_jax.engine.events import StepDone
 
     calls, done = [], []
-    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=8, max_model_len=DENSE_LEN,
-                    num_blocks=64, max_num_batched_tokens=64, steps_per_dispatch=2,
-                    max_dispatch_ms=None, first_tokens_first=False, debug=True)
-    spy_dispatches(eng, steps, calls)
+    eng, prompts = split_iteration_engine(model, steps, calls, deliver=True)
     eng.add_listener(lambda e: done.append(e) if isinstance(e, StepDone) else None)
-    prompts = prompts_of([6, 30, 5, 9, 7], seed=14)
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     eng.add_request("r0", prompts[0], greedy)
     eng.step()

@@ -128,10 +128,14 @@ class _Iteration:
     groups: list[tuple[int, list]]
     now: float  # when it was planned: a new prompt's first_scheduled_time
 
-    def live(self) -> bool:
-        """Whether any row it has left to run is unfinished (an abort finishes its rows)."""
-        return (any(row[0].finish_reason is None for _, rows in self.groups for row in rows)
-                or any(s.finish_reason is None for s, _ in self.plan.decode))
+    def drop_aborted(self) -> bool:
+        """Drop the rows aborted since it was planned (an abort finishes its rows); whether
+        anything is left to run."""
+        self.groups = [(width, live) for width, rows in self.groups
+                       if (live := [row for row in rows if row[0].finish_reason is None])]
+        self.plan = dataclasses.replace(self.plan, decode=[
+            (s, n) for s, n in self.plan.decode if s.finish_reason is None])
+        return bool(self.groups or self.plan.decode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,17 +451,14 @@ class LLMEngine:
         """Run one iteration, or its next part (``deliver_each_prefill``); returns the
         requests whose outputs changed (new tokens, or finished), each with its whole output
         so far."""
-        if self._rest is not None and not self._rest.live():
-            self._rest = None  # all it had left was aborted: plan anew rather than run nothing
-        if self._rest is None:
+        # A part-run iteration goes on without the rows aborted since the last call; if that
+        # leaves nothing to run, a new one is planned rather than an empty part run.
+        if self._rest is None or not self._rest.drop_aborted():
             self._rest = self._begin()
         rest, touched = self._rest, {}
         copies, prefilled = self._cow_copies, 0
         while rest.groups:
             width, rows = rest.groups.pop(0)
-            rows = [row for row in rows if row[0].finish_reason is None]  # aborted meanwhile
-            if not rows:
-                continue
             prefilled += sum(n for _, _, n in rows)
             if self._prefill_group(rows, width, rest.now, touched) and rest.groups \
                     and self.deliver_each_prefill:
@@ -465,9 +466,9 @@ class LLMEngine:
         decode = []
         if not rest.groups:
             self._rest = None
-            decode = [(s, n) for s, n in rest.plan.decode if s.finish_reason is None]
+            decode = rest.plan.decode
             if decode:
-                self._run_decode(dataclasses.replace(rest.plan, decode=decode), touched)
+                self._run_decode(rest.plan, touched)
         if self.debug:
             self.check()
         self.steps_run += 1
