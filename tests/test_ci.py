@@ -43,8 +43,11 @@ def run(folder: pathlib.Path, files: dict[str, str], *extra: str) -> subprocess.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     cmd = [sys.executable, "-m", "pytest", *pytest_args(), "-p", "no:cacheprovider", *extra]
     # The limit is what a hang would run into: each case ends in seconds.
-    return subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True,
-                          timeout=120)
+    try:
+        return subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the test command did not end within 120 s: {shlex.join(cmd)}")
 
 
 def test_a_crashed_worker_fails_the_run(tmp_path):
@@ -54,10 +57,7 @@ def test_a_crashed_worker_fails_the_run(tmp_path):
     files["test_f3.py"] = ("import os, signal\n\ndef test_a():\n    pass\n\n"
                            "def test_crash():\n    os.kill(os.getpid(), signal.SIGSEGV)\n\n"
                            "def test_after():\n    pass\n")
-    try:
-        done = run(tmp_path, files)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the test command waited on after a worker crashed")
+    done = run(tmp_path, files)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "crashed while running 'test_f3.py::test_crash'" in done.stdout, done.stdout
 
