@@ -97,6 +97,7 @@ def test_goals_by_hand():
                _result("generate", 16, 40.0, 900.0),
                _result(bench_serve.ONE_PREFILL, 16, 30.0, 1000.0),
                _result("paged_jax_all_rows", 16, 48.0, 550.0, tpot=75.0),
+               _result("paged_jax_whole_budget", 16, 61.0, 450.0, itl=(80.0, 500.0)),
                _result("paged_jax", 1, 20.0, 100.0, itl=(100.0, 400.0)),
                _result("generate", 1, 1.0, 300.0)]
     lines = bench_serve.goals(results)
@@ -107,8 +108,11 @@ def test_goals_by_hand():
         "throughput 1.50x generate (goal >= 2.0x: not met); TTFT p50 500 ms vs "
         "transformers' best 400 ms (not met); ITL p99/p50 2.50 (goal <= 3.0: met); prefill "
         "by width vs one prefill dispatch: output throughput 2.00x, TTFT p50 2.00x lower, "
-        "TPOT p50 1.00x lower; decode rows bucketed vs every slot: output throughput 1.25x, "
-        "TTFT p50 1.10x lower, TPOT p50 1.50x lower"]
+        "TPOT p50 1.00x lower, ITL p99 1.00x lower; decode rows bucketed vs every slot: "
+        "output throughput 1.25x, TTFT p50 1.10x lower, TPOT p50 1.50x lower, ITL p99 1.00x "
+        "lower; a smaller chunk budget while rows decode vs max_num_batched_tokens "
+        "throughout: output throughput 0.98x, TTFT p50 0.90x lower, TPOT p50 1.00x lower, "
+        "ITL p99 2.00x lower"]
 
 
 def test_bad_arguments():
@@ -122,7 +126,12 @@ def test_bad_arguments():
                          "got 5"),
                         (["--max-dispatch-ms", "-1"],
                          r"max-dispatch-ms must be >= 0 and finite \(0: off\), got -1.0"),
-                        (["--max-dispatch-ms", "inf"], "max-dispatch-ms must be >= 0")):
+                        (["--max-dispatch-ms", "inf"], "max-dispatch-ms must be >= 0"),
+                        (["--max-num-batched-tokens", "64", "--prefill-tokens-while-decoding",
+                          "65"], r"--prefill-tokens-while-decoding must be in \[0, "
+                         r"--max-num-batched-tokens=64\] \(0: the same\), got 65"),
+                        (["--prefill-tokens-while-decoding", "-1"],
+                         "prefill-tokens-while-decoding must be in")):
         with pytest.raises(ValueError, match=match):
             bench_serve.check_args(bench_serve.build_parser().parse_args(argv))
     assert math.isinf(bench_serve.build_parser().parse_args([]).request_rate[0])

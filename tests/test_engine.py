@@ -91,6 +91,9 @@ def token_ids(outputs):
     dict(num_blocks=SMALL, steps_per_dispatch=3, enable_prefix_caching=False,
          prefill_by_width=False),
     dict(steps_per_dispatch=3, scheduling_policy="shortest_first"),
+    # 8 prefill tokens an iteration while rows decode; new rows wait for the next decode.
+    dict(num_blocks=SMALL, steps_per_dispatch=3, prefill_tokens_while_decoding=8),
+    dict(steps_per_dispatch=3, join_decode=False, first_tokens_first=False),
 ])
 def test_greedy_outputs_equal_the_dense_reference(model, steps, reference, kwargs):
     prompts = prompts_of(LENS)
@@ -159,14 +162,14 @@ def test_prefill_chunks_run_one_dispatch_per_width_class(model, steps, reference
     assert sorted(shapes) == ([(1, 32), (2, 16)] if by_width else [(4, 32)])
 
 
-def split_iteration_engine(model, steps, calls, deliver):
-    """The engine and prompts r0..r4 (6, 30, 5, 9 and 7 tokens) of the two tests below:
-    prompts of 30, 5 and 9 tokens added together make a (2, 16) and a (1, 32) prefill
-    dispatch. Its dispatches are appended to ``calls``."""
+def split_iteration_engine(model, steps, calls, deliver, join=True):
+    """The engine and prompts r0..r4 (6, 30, 5, 9 and 7 tokens) of the tests below: prompts
+    of 30, 5 and 9 tokens added together make a (2, 16) and a (1, 32) prefill dispatch. Its
+    dispatches are appended to ``calls``."""
     eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=8, max_model_len=DENSE_LEN,
                     num_blocks=64, max_num_batched_tokens=64, steps_per_dispatch=2,
                     max_dispatch_ms=None, first_tokens_first=False, debug=True,
-                    deliver_each_prefill=deliver)
+                    deliver_each_prefill=deliver, join_decode=join)
     spy_dispatches(eng, steps, calls)
     return eng, prompts_of([6, 30, 5, 9, 7], seed=14)
 
@@ -200,8 +203,8 @@ def test_each_prefill_dispatch_returns_its_first_tokens(model, steps, reference,
         eng.abort_request("r0")
         eng.add_request("r4", prompts[4], greedy)
         assert step() == ({"r1": 1}, both[1:2])  # r0's decode row left with it
-    else:
-        assert step() == ({"r0": 2, "r1": 1, "r2": 1, "r3": 1}, both)
+    else:  # r1, r2 and r3 decode in the iteration's dispatch beside r0 (join_decode)
+        assert step() == ({"r0": 2, "r1": 2, "r2": 2, "r3": 2}, both)
         eng.abort_request("r0")
         eng.add_request("r4", prompts[4], greedy)
     assert step()[1][0] == ("prefill", (1, 16))  # a new plan: r4's prefill
@@ -211,6 +214,29 @@ def test_each_prefill_dispatch_returns_its_first_tokens(model, steps, reference,
     assert "r0" not in outs
     assert [outs[f"r{i}"] for i in (1, 2, 3, 4)] == [reference(prompts[i], 6)
                                                     for i in (1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_prompts_that_finish_decode_in_their_iteration_s_dispatch(model, steps, reference,
+                                                                 join):
+    """r0 decodes; r1 (30 tokens), r2 (5) and r3 (9) arrive together. With ``join_decode``
+    the iteration that prefills them decodes them too, in its one decode dispatch beside
+    r0: each has two tokens after it. Without it they wait for the next iteration's. The
+    tokens are the dense reference's either way."""
+    calls = []
+    eng, prompts = split_iteration_engine(model, steps, calls, deliver=False, join=join)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    eng.add_request("r0", prompts[0], greedy)
+    eng.step()
+    for i in (1, 2, 3):
+        eng.add_request(f"r{i}", prompts[i], greedy)
+    got = {o.request_id: len(o.outputs[0].token_ids) for o in eng.step()}
+    assert got == ({"r0": 2, "r1": 2, "r2": 2, "r3": 2} if join
+                   else {"r0": 2, "r1": 1, "r2": 1, "r3": 1})
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+    assert [outs[f"r{i}"] for i in range(4)] == [reference(prompts[i], 6) for i in range(4)]
 
 
 def test_an_iteration_left_with_only_aborted_rows_is_replanned(model, steps, reference):
@@ -233,7 +259,8 @@ def test_an_iteration_left_with_only_aborted_rows_is_replanned(model, steps, ref
     eng.abort_request("r1")
     eng.add_request("r4", prompts[4], greedy)
     before = len(calls)
-    assert {o.request_id: len(o.outputs[0].token_ids) for o in eng.step()}["r4"] == 1
+    # r4's first token, and a second from the decode of r2 and r3 it joins.
+    assert {o.request_id: len(o.outputs[0].token_ids) for o in eng.step()}["r4"] == 2
     assert calls[before] == ("prefill", (1, 16))
     assert done[-1].prefill_tokens == 7
     outs = {}
@@ -363,15 +390,18 @@ def test_stop_strings_cut_the_text_and_the_tokens_after_them(model, steps, refer
     assert out.prompt == prompt and out.prompt_token_ids == ids
 
 
-def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model, steps):
-    """A 120-token prompt with 32-token chunks arrives while two requests decode: every
-    iteration of its prefill but the last, both still get tokens; the last returns its first
-    token alone (first tokens first), and the next gives all three theirs. Its output
-    equals an unchunked run's."""
+@pytest.mark.parametrize("while_decoding, chunks", [(None, 4), (16, 8)])
+def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model, steps,
+                                                                     while_decoding, chunks):
+    """A 120-token prompt with 32-token chunks (16 with ``prefill_tokens_while_decoding=16``)
+    arrives while two requests decode: every iteration of its prefill but the last, both
+    still get tokens; the last returns its first token alone (first tokens first), and the
+    next gives all three theirs. Its output equals an unchunked run's."""
     short = prompts_of([4, 6], seed=12)
     (long,) = prompts_of([120], seed=13)
     opts = dict(block_size=8, max_num_seqs=4, max_model_len=256, num_blocks=96, debug=True)
-    eng = LLMEngine(model, steps=steps, **opts, max_num_batched_tokens=32)
+    eng = LLMEngine(model, steps=steps, **opts, max_num_batched_tokens=32,
+                    prefill_tokens_while_decoding=while_decoding)
     params = SamplingParams(temperature=0.0, max_tokens=120)  # decoding all along
     for i, p in enumerate(short):
         eng.add_request(f"s{i}", p, params)
@@ -380,7 +410,7 @@ def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model, steps
     delivered = []
     while "long" in eng.requests and not eng.requests["long"].seqs[0].decoding:
         delivered.append({o.request_id for o in eng.step()})
-    assert delivered == [{"s0", "s1"}] * 3 + [{"long"}]  # 120 tokens in 32-token chunks
+    assert delivered == [{"s0", "s1"}] * (chunks - 1) + [{"long"}]
     # Mid-run: the three sequences' tokens over their blocks (and the cached full ones).
     stats = eng.stats()
     lens = [s.cached for s in eng.scheduler.running]
@@ -569,6 +599,7 @@ def test_tokens_are_timed_when_the_step_that_made_them_returns(model, steps):
         outs = engine.step()
         after = time.perf_counter()
         stamps = set()
+        started = sum(out.request_id not in seen for out in outs)
         for out in outs:
             m, old = out.metrics, seen.get(out.request_id, 0)
             stamps |= set(m.token_times[old:])
@@ -578,7 +609,7 @@ def test_tokens_are_timed_when_the_step_that_made_them_returns(model, steps):
             if out.finished:
                 assert m.finished_time == m.token_times[-1]
         assert len(stamps) == 1 and before < stamps.pop() < after
-        mixed += len(outs) == 2 and any(len(o.outputs[0].token_ids) == 1 for o in outs)
+        mixed += len(outs) == 2 and started == 1
     assert mixed  # some step gave b its first token and a its decoded ones
     assert seen == {"a": 9, "b": 6}
 
@@ -592,6 +623,9 @@ def test_tokens_are_timed_when_the_step_that_made_them_returns(model, steps):
     *[(dict(max_dispatch_ms=v), "max_dispatch_ms must be a positive finite number of "
        f"milliseconds or None. Got {re.escape(repr(v))}.")
       for v in (0, -5.0, math.inf, True, "100")],
+    *[(dict(prefill_tokens_while_decoding=v), r"prefill_tokens_while_decoding must be an "
+       rf"int in \[1, max_num_batched_tokens=32\] or None. Got {re.escape(repr(v))}.")
+      for v in (0, 33, True, 8.0)],
 ])
 def test_bad_engine_arguments_name_the_value(model, steps, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -676,9 +710,9 @@ def test_a_prompt_s_first_token_comes_back_from_its_prefill_alone(model, steps, 
     if first:
         assert step() == ({"r1": 1}, [])
         assert step() == ({"r0": 5, "r1": 3}, [2])
-    else:
-        assert step() == ({"r0": 4, "r1": 1}, [1])  # one step beside the prefill
-        assert step() == ({"r0": 6, "r1": 3}, [2])
+    else:  # one step beside the prefill, which r1 joins
+        assert step() == ({"r0": 4, "r1": 2}, [1])
+        assert step() == ({"r0": 6, "r1": 4}, [2])
     outs = {}
     while eng.has_unfinished_requests():
         for o in eng.step():

@@ -114,12 +114,18 @@ class Sim:
 
     def __init__(self, *, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                  steps_per_dispatch, steps_while_prefilling=None, policy="fcfs",
-                 first_tokens_first=False):
+                 first_tokens_first=False, prefill_tokens_while_decoding=None,
+                 join_decode=False):
         self.sched = Scheduler(max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
                                steps_per_dispatch=steps_per_dispatch, block_size=block_size,
                                steps_while_prefilling=steps_while_prefilling, policy=policy,
-                               first_tokens_first=first_tokens_first)
+                               first_tokens_first=first_tokens_first,
+                               prefill_tokens_while_decoding=prefill_tokens_while_decoding,
+                               join_decode=join_decode)
+        self.budget_while_decoding = min(prefill_tokens_while_decoding or max_num_batched_tokens,
+                                         max_num_batched_tokens)
+        self.joined = self.join_refusals = 0
         self.deferred = False  # the previous plan's
         self.deferrals = 0
         self.policy = policy
@@ -196,8 +202,11 @@ class Sim:
             assert [id(q) for q in front] == [id(v) for v in reversed(victims)]
             assert front == sorted(front, key=lambda q: q.age)
             assert [id(q) for q in list(s.waiting)[len(victims):]] == list(map(id, before_waiting))
-        # (b) the chunk budget, and every running decoder decodes (unless preempted).
-        assert sum(length for _, _, length in plan.prefill) <= s.max_num_batched_tokens
+        # (b) the chunk budget (a smaller one where rows decode), and every running decoder
+        # decodes (unless preempted).
+        decoders = [q for q in decoding_before if all(q is not v for v in victims)]
+        budget = self.budget_while_decoding if decoders else s.max_num_batched_tokens
+        assert sum(length for _, _, length in plan.prefill) <= budget
         # An iteration that prefills decodes steps_while_prefilling steps; one that neither
         # prefills nor preempts, K.
         if plan.prefill:
@@ -253,13 +262,30 @@ class Sim:
                     finished.append(child)
                 q.reserved, q.fork = [], 1
                 finished.append(q)
+        # (g) with join_decode, the sequences whose prompt finished in this prefill (with
+        # tokens left to make) join its decode dispatch, oldest first, as many as the pool
+        # holds (the pool raises where a block it lacks is taken); none where the plan has
+        # no decode.
+        joiners = s.joiners(plan)
+        started = [q for q in s.running if q.remaining and any(q is f for f in finished)]
+        assert list(map(id, joiners)) == (list(map(id, started))
+                                          if s.join_decode and plan.decode else [])
+        if joiners:
+            pool.pending = {}  # the victims' releases are applied now
+            joined = s.join(plan, joiners, pool, pool.free())
+            assert [(id(q), n) for q, n in joined] == [
+                (id(q), min(plan.decode_steps, q.remaining)) for q in joiners[: len(joined)]]
+            assert plan.decode[len(plan.decode) - len(joined):] == joined
+            self.joined += len(joined)
+            self.join_refusals += len(joiners) > len(joined)
         for q, steps in plan.decode:
             pool.copy_on_write(q)
             pool.grow(q, q.cached + steps)
             q.cached += steps
             self.emit(q, steps)
             finished.append(q)
-        ended = [q for q in finished if q.remaining == 0]
+        # A joiner is in ``finished`` twice: from its prefill and from its decode.
+        ended = list({id(q): q for q in finished if q.remaining == 0}.values())
         held = s.remove(ended)
         assert {id(q) for q in held} == {id(q) for q in ended}
         for q in ended:
@@ -324,7 +350,9 @@ def test_random_workloads_under_pressure_all_complete(seed):
     arrivals = random_workload(rng, block_size, num_blocks, max_seqs, rng.randint(5, 25))
     sim = Sim(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
               max_num_batched_tokens=tokens, steps_per_dispatch=k,
-              steps_while_prefilling=while_prefilling, policy=policy)
+              steps_while_prefilling=while_prefilling, policy=policy,
+              prefill_tokens_while_decoding=rng.choice([None, 1, max(1, tokens // 2)]),
+              join_decode=seed % 2 == 0)
     sim.run(arrivals, limit=20_000)
     requests = {f"r{i}": r for i, r in enumerate(r for i in sorted(arrivals)
                                                    for r in arrivals[i])}
@@ -356,6 +384,76 @@ def test_a_long_prompt_is_chunked_while_the_running_requests_decode_every_iterat
         assert len(plan.decode) == 3  # nobody stalls for more than this iteration's chunk
         chunks += [length for q, _, length in plan.prefill if q.request_id == long]
     assert chunks == [64] * 15 + [40]
+
+
+def test_a_smaller_chunk_budget_while_rows_decode():
+    # As above with 24 tokens a chunk while the three decode; the three short prompts, with
+    # nothing decoding, still take the whole budget together.
+    sim = Sim(num_blocks=400, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+              steps_per_dispatch=4, prefill_tokens_while_decoding=24)
+    for _ in range(3):
+        sim.add(30, 200)
+    plan = sim.step()
+    assert [n for _, _, n in plan.prefill] == [30, 30, 4]
+    plan = sim.step()
+    assert [n for _, _, n in plan.prefill] == [24] and len(plan.decode) == 2
+    plan = sim.step()
+    assert [n for _, _, n in plan.prefill] == [2] and len(plan.decode) == 2
+    long = sim.add(1000, 3)
+    chunks = []
+    while not any(q.request_id == long and q.decoding for q in sim.sched.running):
+        plan = sim.step()
+        assert len(plan.decode) == 3
+        chunks += [length for q, _, length in plan.prefill if q.request_id == long]
+    assert chunks == [24] * 41 + [16]
+
+
+def two_beside_a_decoder(sim: Sim) -> list[Plan]:
+    """r0 (5 tokens) prefilled alone, then r1 (6) and r2 (20) added together: the plans of
+    the next three iterations."""
+    sim.add(5, 30)
+    sim.step()
+    sim.add(6, 30)
+    sim.add(20, 30)
+    return [sim.step() for _ in range(3)]
+
+
+def test_a_prompt_that_finishes_joins_its_iteration_s_decode():
+    # r0 decodes; r1 (6 tokens) and r2 (20) arrive together, 16 tokens a chunk. r1 finishes
+    # in the first iteration and decodes in its dispatch beside r0; without join_decode it
+    # waits for the next iteration's.
+    rows = {}
+    for join in (True, False):
+        sim = Sim(num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                  steps_per_dispatch=4, steps_while_prefilling=1, join_decode=join)
+        plans = two_beside_a_decoder(sim)
+        rows[join] = [[q.request_id for q, _ in p.decode] for p in plans]
+        while sim.sched.has_work:
+            sim.step()
+        assert_all_complete(sim, {"r0": (5, 30, 1), "r1": (6, 30, 1), "r2": (20, 30, 1)})
+    # The third iteration has nothing to prefill: K steps for all three either way.
+    assert rows[True] == [["r0", "r1"], ["r0", "r1", "r2"], ["r0", "r1", "r2"]], rows
+    assert rows[False] == [["r0"], ["r0", "r1"], ["r0", "r1", "r2"]], rows
+
+
+def test_a_joiner_the_pool_cannot_hold_waits_for_the_next_iteration():
+    # A pool one block short: some finished prompts cannot join their iteration's decode,
+    # and everything still completes (the toy pool raises on any block it does not have).
+    refused = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        sim = Sim(num_blocks=rng.randint(10, 16), block_size=2, max_num_seqs=4,
+                  max_num_batched_tokens=rng.choice([4, 8]), steps_per_dispatch=2,
+                  steps_while_prefilling=1, join_decode=True)
+        requests = {}
+        for _ in range(10):
+            p, m = rng.randint(1, 9), rng.randint(2, 9)
+            requests[sim.add(p, m)] = (p, m, 1)
+            sim.step()
+        sim.run({}, limit=2_000)
+        assert_all_complete(sim, requests)
+        refused += sim.join_refusals
+    assert refused > 0
 
 
 def test_n_completions_hold_their_slots_from_admission_and_fork_after_the_prefill():
@@ -532,11 +630,7 @@ def test_first_tokens_first_does_not_defer_while_prefill_is_left():
     # finishes r2 with nothing left, so the decoders wait one iteration.
     sim = Sim(num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
               steps_per_dispatch=4, steps_while_prefilling=1, first_tokens_first=True)
-    sim.add(5, 30)
-    sim.step()
-    sim.add(6, 30)
-    sim.add(20, 30)
-    plans = [sim.step() for _ in range(3)]
+    plans = two_beside_a_decoder(sim)
     got = [([n for _, _, n in p.prefill], [n for _, n in p.decode], p.deferred) for p in plans]
     assert got == [([6, 10], [1], False), ([10], [], True), ([], [4, 4, 4], False)], got
 

@@ -472,3 +472,11 @@ def test_serve_refuses_a_bad_max_dispatch_ms_before_loading_anything(value):
     with pytest.raises(SystemExit, match=r"--max-dispatch-ms must be >= 0 and finite \(0: off\), "
                        f"got {float(value)}"):
         server_cli.main(["--max-dispatch-ms", value])
+
+
+def test_serve_refuses_a_bad_prefill_budget_before_loading_anything():
+    from paged_jax.server import cli as server_cli
+
+    with pytest.raises(SystemExit, match=r"--prefill-tokens-while-decoding must be in \[0, "
+                       r"--max-num-batched-tokens=512\] \(0: the same\), got 513"):
+        server_cli.main(["--prefill-tokens-while-decoding", "513"])

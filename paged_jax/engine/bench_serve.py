@@ -8,7 +8,10 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
 
 * ``paged_jax``: an ``LLMEngine`` stepped in this process. A request joins the running batch
   at the first iteration after it arrives; prefill is chunked to ``--max-num-batched-tokens``
-  tokens per iteration; decode runs ``--steps-per-dispatch`` steps per dispatch
+  tokens per iteration (``--prefill-tokens-while-decoding`` in one that also decodes, where
+  set; ``paged_jax_whole_budget`` keeps the whole budget); a prompt that finishes joins its
+  iteration's decode (``paged_jax_no_join`` waits for the next); decode runs
+  ``--steps-per-dispatch`` steps per dispatch
   (``--steps-while-prefilling`` in an iteration that also prefills, or where K steps took
   longer than ``--max-dispatch-ms``; ``paged_jax_whole_k`` keeps K); an iteration that
   finishes a prompt defers the decode rows to the next (``paged_jax_decode_every_iteration``
@@ -101,6 +104,11 @@ ABLATIONS = {
     "paged_jax_whole_iteration": (
         lambda a: {"deliver_each_prefill": False},
         "first tokens after their prefill dispatch vs after the whole iteration"),
+    "paged_jax_no_join": (lambda a: {"join_decode": False},
+                          "new rows join the iteration's decode vs wait for the next one"),
+    "paged_jax_whole_budget": (
+        lambda a: {"prefill_tokens_while_decoding": None},
+        "a smaller chunk budget while rows decode vs max_num_batched_tokens throughout"),
     "paged_jax_shortest_first": (lambda a: {"scheduling_policy": "shortest_first"},
                                  "fcfs vs shortest_first"),
 }
@@ -128,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests/s of the Poisson arrivals; inf: all at once")
     p.add_argument("--max-num-seqs", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--prefill-tokens-while-decoding", type=int, default=0,
+                   help="paged_jax's chunk budget in an iteration that also decodes (at most "
+                   "--max-num-batched-tokens; LLMEngine's prefill_tokens_while_decoding); 0: "
+                   "--max-num-batched-tokens")
     p.add_argument("--steps-per-dispatch", type=int, default=8)
     p.add_argument("--steps-while-prefilling", type=int, default=1,
                    help="paged_jax's decode steps per dispatch in an iteration that prefills "
@@ -140,10 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mib", type=int, default=512)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
                    choices=[*SYSTEMS, *ABLATIONS],
-                   help=f"servers to run; {', '.join(ABLATIONS)} are paged_jax with one prefill "
-                   "dispatch per iteration, K decode steps while prefilling, every slot "
-                   "computed in each decode step, and the requests that arrive together "
-                   "admitted shortest prompt first")
+                   help="servers to run; the paged_jax_* ones are paged_jax with one setting "
+                   "changed (the comparison each makes: " + "; ".join(
+                       f"{name}: {what}" for name, (_, what) in ABLATIONS.items()) + ")")
     p.add_argument("--http", action="store_true",
                    help=f"also run {HTTP}: paged_jax through paged-jax serve's HTTP API")
     p.add_argument("--blocks-history", type=int, default=None,
@@ -171,6 +182,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--steps-while-prefilling must be at most --steps-per-dispatch "
                          f"({args.steps_per_dispatch}), got {args.steps_while_prefilling}")
     max_dispatch_ms_flag(args.max_dispatch_ms)
+    if not 0 <= args.prefill_tokens_while_decoding <= args.max_num_batched_tokens:
+        raise ValueError(f"--prefill-tokens-while-decoding must be in [0, "
+                         f"--max-num-batched-tokens={args.max_num_batched_tokens}] (0: the "
+                         f"same), got {args.prefill_tokens_while_decoding}")
     if args.max_output_len < 2:
         raise ValueError(f"--max-output-len must be >= 2 (TPOT needs two tokens), got "
                          f"{args.max_output_len}")
@@ -240,6 +255,7 @@ class PagedServer:
                 max_model_len=self.max_len, max_num_batched_tokens=a.max_num_batched_tokens,
                 steps_per_dispatch=a.steps_per_dispatch,
                 **{"steps_while_prefilling": a.steps_while_prefilling,
+                   "prefill_tokens_while_decoding": a.prefill_tokens_while_decoding or None,
                    "max_dispatch_ms": max_dispatch_ms_flag(a.max_dispatch_ms), **self.overrides},
                 seed=a.seed, steps=self.steps)
             # Every prefill shape it can meet, compiled now: which ones a run meets depends
@@ -412,7 +428,9 @@ def goals(results: list[dict], bounds: dict | None = None) -> list[str]:
                     f"{label}: output throughput "
                     f"{r['output_throughput'] / base['output_throughput']:.2f}x, TTFT p50 "
                     f"{base['ttft_ms']['p50'] / r['ttft_ms']['p50']:.2f}x lower, TPOT p50 "
-                    f"{base['tpot_ms']['p50'] / r['tpot_ms']['p50']:.2f}x lower")
+                    f"{base['tpot_ms']['p50'] / r['tpot_ms']['p50']:.2f}x lower"
+                    + ("" if not (itl["p99"] and base["itl_ms"]["p99"]) else
+                       f", ITL p99 {base['itl_ms']['p99'] / itl['p99']:.2f}x lower"))
         lines.append(f"rate {rate:g}, max_num_seqs {m}: " + "; ".join(checks))
         if (rate, m, HTTP) in by:
             lines.append(f"rate {rate:g}, max_num_seqs {m}: " + http_goal(r, by[rate, m, HTTP]))
@@ -599,7 +617,10 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
     if "generate" in args.systems:
         pad = tokenizer.eos_token_id if tokenizer is not None else 0
         servers["generate"] = StaticServer(theirs, pad)
-    print(f"limits: max_num_batched_tokens {args.max_num_batched_tokens}, pool {num_blocks} "
+    while_decoding = (f" ({args.prefill_tokens_while_decoding} while rows decode)"
+                      if args.prefill_tokens_while_decoding else "")
+    print(f"limits: max_num_batched_tokens {args.max_num_batched_tokens}{while_decoding}, "
+          f"pool {num_blocks} "
           f"blocks of {bs} ({num_blocks * bs} token slots), paged_jax K="
           f"{args.steps_per_dispatch}, max_model_len {max_len}", flush=True)
     warm = [Request(reqs[0][0][:8], 2)]  # first-call overhead of the transformers paths

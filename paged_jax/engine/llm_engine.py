@@ -18,7 +18,9 @@ Each ``step()`` runs one iteration of the scheduler's plan, or the next part of 
    ``steps_while_prefilling`` steps in an iteration that prefills, or where K steps over as
    many rows last took longer than ``max_dispatch_ms``), with each row's remaining budget
    and stop ids inside the dispatch; none in an iteration whose prefill finishes a prompt
-   and leaves none to prefill (``first_tokens_first``), unless the one before had none;
+   and leaves none to prefill (``first_tokens_first``), unless the one before had none.
+   The sequences whose prompt finished in the iteration join it where the free blocks
+   hold their steps (``join_decode``);
 5. on the host: new tokens, stop strings, finished sequences released, newly full blocks
    entered in the prefix cache.
 
@@ -178,6 +180,13 @@ class LLMEngine:
       max_num_seqs: sequence slots (rows of every dispatch).
       max_model_len: tokens per sequence at most, prompt plus output (the table width).
       max_num_batched_tokens: prefill tokens per iteration at most (the chunk budget).
+      prefill_tokens_while_decoding: the chunk budget of an iteration that also decodes (at
+        most ``max_num_batched_tokens``; None: the same). A decoding row's next token waits
+        for the iteration's prefill, so this bounds the inter-token latency's tail; a long
+        prompt takes more iterations for it, each with a decode step.
+      join_decode: a prompt whose prefill finishes in an iteration with a decode dispatch
+        decodes in it too, where the free blocks hold its steps, rather than waiting for the
+        next iteration's (``scheduler``'s docstring, 5). False: only the rows planned.
       steps_per_dispatch: K, decode steps per dispatch.
       steps_while_prefilling: decode steps per dispatch in an iteration that prefills (at
         most K; 1 by default, as a step that mixes decode rows and prefill chunks would
@@ -230,6 +239,7 @@ class LLMEngine:
     def __init__(self, model: Llama, tokenizer=None, *, eos_token_id: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 8,
                  max_model_len: int = 1024, max_num_batched_tokens: int = 512,
+                 prefill_tokens_while_decoding: int | None = None, join_decode: bool = True,
                  steps_per_dispatch: int = 8, steps_while_prefilling: int = 1,
                  max_dispatch_ms: float | None = DEFAULT_MAX_DISPATCH_MS,
                  first_tokens_first: bool = True, deliver_each_prefill: bool = True,
@@ -245,6 +255,13 @@ class LLMEngine:
                             ("steps_while_prefilling", steps_while_prefilling)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int. Got {value!r}.")
+        if prefill_tokens_while_decoding is not None and (
+                not isinstance(prefill_tokens_while_decoding, int)
+                or isinstance(prefill_tokens_while_decoding, bool)
+                or not 1 <= prefill_tokens_while_decoding <= max_num_batched_tokens):
+            raise ValueError(f"prefill_tokens_while_decoding must be an int in [1, "
+                             f"max_num_batched_tokens={max_num_batched_tokens}] or None. Got "
+                             f"{prefill_tokens_while_decoding!r}.")
         if max_dispatch_ms is not None and (
                 isinstance(max_dispatch_ms, bool) or not isinstance(max_dispatch_ms, (int, float))
                 or not 0 < max_dispatch_ms < math.inf):
@@ -321,7 +338,9 @@ class LLMEngine:
                                    steps_per_dispatch=steps_per_dispatch, block_size=block_size,
                                    steps_while_prefilling=steps_while_prefilling,
                                    policy=scheduling_policy,
-                                   first_tokens_first=bool(first_tokens_first))
+                                   first_tokens_first=bool(first_tokens_first),
+                                   prefill_tokens_while_decoding=prefill_tokens_while_decoding,
+                                   join_decode=bool(join_decode))
         self.prefix_cache = PrefixCache(block_size)
         self.requests: dict[str, _Request] = {}
         self._arrivals = 0
@@ -466,9 +485,10 @@ class LLMEngine:
         decode = []
         if not rest.groups:
             self._rest = None
-            decode = rest.plan.decode
-            if decode:
+            if rest.plan.decode:
+                self._join_decode(rest.plan)
                 self._run_decode(rest.plan, touched)
+            decode = rest.plan.decode
         if self.debug:
             self.check()
         self.steps_run += 1
@@ -655,6 +675,19 @@ class LLMEngine:
         self._publish(lambda: ev.Forked(parent.request_id, parent.slot, list(slots)))
         req.seqs += children
         return children
+
+    def _join_decode(self, plan: Plan) -> None:
+        """Add the rows whose prompt finished in this iteration to its decode dispatch, as
+        many as the free blocks hold (``join_decode``; ``Scheduler.join``). Not the
+        completions of a request with ``n > 1``: they forked in this iteration, and a step
+        is published as one snapshot, so their first writes (a copy on write of the shared
+        last block) come in the next one, where a picture can show them after the fork."""
+        joiners = [s for s in self.scheduler.joiners(plan)
+                   if self.requests[s.request_id].params.n == 1]
+        if joiners:
+            snap = PoolSnapshot.take(self.state, self.prefix_cache, self.cache_config.block_size,
+                                     self.enable_prefix_caching)
+            self.scheduler.join(plan, joiners, snap, snap.num_free)
 
     def dispatch_steps(self) -> int:
         """The decode dispatch length for this iteration when nothing is prefilled: K, or

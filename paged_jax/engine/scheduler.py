@@ -18,7 +18,10 @@ Every ``LLMEngine.step`` asks ``Scheduler.schedule`` for one iteration's plan:
    dispatch fits. The oldest sequence always makes progress, so nothing deadlocks; nothing
    is dropped.
 3. **Chunked prefill.** Then prompts are prefilled, at most ``max_num_batched_tokens`` tokens
-   in all per iteration: first the chunks of prompts already started, then new admissions,
+   in all per iteration (at most ``prefill_tokens_while_decoding`` in an iteration with
+   decode rows: a decoding row's next token waits for the iteration's prefill, so this
+   bounds that wait, the inter-token latency's tail, at the cost of more iterations for a
+   long prompt): first the chunks of prompts already started, then new admissions,
    first come first served (preempted sequences first; with ``policy="shortest_first"``, the
    requests queued since the previous plan are taken shortest prompt first among
    themselves). A waiting sequence is admitted only
@@ -35,6 +38,12 @@ Every ``LLMEngine.step`` asks ``Scheduler.schedule`` for one iteration's plan:
    same work as before (the prefill, then a decode step), and the new sequence decodes
    with them. Where more prefill is pending, deferring would hold the rows behind the next
    chunk too, so they decode as usual.
+
+5. **New rows join the decode** (``join_decode``). A prompt whose prefill finishes in an
+   iteration with a decode dispatch decodes in that dispatch too, beside the rows planned
+   for it, where the free blocks hold its steps (``joiners``, ``join``; the engine leaves
+   out the completions of a request with ``n > 1``, which fork there). Otherwise its second
+   token would wait for the rest of the iteration and all of the next one.
 
 The plan is separate prefill-chunk and decode dispatches in one iteration (not one ragged
 step that mixes them): the decode dispatch is the K-step scan, whose point is K tokens per
@@ -160,7 +169,8 @@ class Scheduler:
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, steps_per_dispatch: int,
                  block_size: int, steps_while_prefilling: int | None = None,
-                 policy: str = "fcfs", first_tokens_first: bool = False):
+                 policy: str = "fcfs", first_tokens_first: bool = False,
+                 prefill_tokens_while_decoding: int | None = None, join_decode: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}. Got {policy!r}.")
         self.policy = policy
@@ -172,6 +182,10 @@ class Scheduler:
                                           steps_per_dispatch)
         self.block_size = block_size
         self.first_tokens_first = first_tokens_first
+        # None: max_num_batched_tokens whether or not rows decode.
+        self.prefill_tokens_while_decoding = min(
+            prefill_tokens_while_decoding or max_num_batched_tokens, max_num_batched_tokens)
+        self.join_decode = join_decode
         self._deferred = False  # whether the previous plan deferred its decode rows
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # holding a slot, in admission order
@@ -288,7 +302,8 @@ class Scheduler:
         plan.decode = decode
         free -= sum(need.values())
 
-        tokens = self.max_num_batched_tokens
+        tokens = (self.prefill_tokens_while_decoding if decode
+                  else self.max_num_batched_tokens)
         for seq in self.running:  # prompts already started continue first
             if seq.decoding or tokens == 0:
                 continue
@@ -325,6 +340,34 @@ class Scheduler:
             tokens -= length
             free -= cost
         return plan
+
+    def joiners(self, plan: Plan) -> list[Sequence]:
+        """The running sequences that may join ``plan``'s decode dispatch (``join_decode``):
+        those decoding that it did not plan, whose prompt finished in its prefill. Oldest
+        first; none where the plan has no decode dispatch."""
+        if not (self.join_decode and plan.decode):
+            return []
+        planned = {id(s) for s, _ in plan.decode}
+        return [s for s in self.running
+                if s.decoding and id(s) not in planned and s.remaining > 0]
+
+    def join(self, plan: Plan, joiners: list[Sequence], blocks: BlockCounter,
+             free: int) -> list[tuple[Sequence, int]]:
+        """Add ``joiners`` to ``plan.decode``, oldest first, while ``free`` blocks (the pool's
+        free count after the iteration's prefill) hold the planned rows' steps and theirs;
+        returns the rows added, ``(seq, steps)``. ``blocks`` answers ``decode_need`` for the
+        pool as it is now."""
+        free -= sum(blocks.decode_need(s, n) for s, n in plan.decode)
+        joined = []
+        for seq in joiners:
+            steps = min(plan.decode_steps, seq.remaining)
+            need = blocks.decode_need(seq, steps)
+            if need > free:
+                break
+            joined.append((seq, steps))
+            free -= need
+        plan.decode = plan.decode + joined
+        return joined
 
     def _preempt(self, seq: Sequence, plan: Plan) -> None:
         """Free ``seq``'s slot and queue it first (older victims end up ahead)."""

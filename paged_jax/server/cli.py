@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--prefill-tokens-while-decoding", type=int, default=0,
+                   help="the chunk budget of an iteration that also decodes, which bounds "
+                   "the inter-token latency's tail (at most --max-num-batched-tokens); 0: "
+                   "--max-num-batched-tokens")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=256)
     p.add_argument("--steps-per-dispatch", type=int, default=8)
@@ -80,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         max_dispatch_ms = max_dispatch_ms_flag(args.max_dispatch_ms)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    if not 0 <= args.prefill_tokens_while_decoding <= args.max_num_batched_tokens:
+        raise SystemExit(f"--prefill-tokens-while-decoding must be in [0, "
+                         f"--max-num-batched-tokens={args.max_num_batched_tokens}] (0: the "
+                         f"same), got {args.prefill_tokens_while_decoding}")
     import uvicorn
 
     from paged_jax.engine.llm import LLM
@@ -91,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
+              prefill_tokens_while_decoding=args.prefill_tokens_while_decoding or None,
               steps_per_dispatch=args.steps_per_dispatch,
               steps_while_prefilling=args.steps_while_prefilling,
               max_dispatch_ms=max_dispatch_ms,
