@@ -14,7 +14,13 @@ import random
 
 import pytest
 
-from paged_jax.engine.scheduler import Plan, Scheduler, Sequence, max_dispatch_ms_flag
+from paged_jax.engine.scheduler import (
+    Plan,
+    Scheduler,
+    Sequence,
+    max_dispatch_ms_flag,
+    prefill_budget_flag,
+)
 
 
 def token(request: int, index: int, position: int) -> int:
@@ -756,3 +762,14 @@ def test_the_max_dispatch_ms_flag_maps_0_to_no_budget_and_refuses_what_is_not_a_
         with pytest.raises(ValueError, match=rf"--max-dispatch-ms must be >= 0 and finite "
                                              rf"\(0: off\), got {bad}"):
             max_dispatch_ms_flag(bad)
+
+
+def test_the_prefill_budget_flag_maps_0_to_the_whole_budget_and_refuses_what_exceeds_it():
+    assert prefill_budget_flag(0, 256) is None
+    assert prefill_budget_flag(128, 256) == 128
+    assert prefill_budget_flag(256, 256) == 256
+    for bad in (-1, 257):
+        with pytest.raises(ValueError, match=rf"--prefill-tokens-while-decoding must be in "
+                                             rf"\[0, --max-num-batched-tokens=256\] \(0: the "
+                                             rf"same\), got {bad}"):
+            prefill_budget_flag(bad, 256)

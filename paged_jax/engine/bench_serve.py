@@ -70,7 +70,11 @@ import time
 
 import numpy as np
 
-from paged_jax.engine.scheduler import DEFAULT_MAX_DISPATCH_MS, max_dispatch_ms_flag
+from paged_jax.engine.scheduler import (
+    DEFAULT_MAX_DISPATCH_MS,
+    max_dispatch_ms_flag,
+    prefill_budget_flag,
+)
 from paged_jax.engine.serve_baselines import BatchServer, StaticServer
 from paged_jax.engine.serve_metrics import (
     Request,
@@ -182,10 +186,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--steps-while-prefilling must be at most --steps-per-dispatch "
                          f"({args.steps_per_dispatch}), got {args.steps_while_prefilling}")
     max_dispatch_ms_flag(args.max_dispatch_ms)
-    if not 0 <= args.prefill_tokens_while_decoding <= args.max_num_batched_tokens:
-        raise ValueError(f"--prefill-tokens-while-decoding must be in [0, "
-                         f"--max-num-batched-tokens={args.max_num_batched_tokens}] (0: the "
-                         f"same), got {args.prefill_tokens_while_decoding}")
+    prefill_budget_flag(args.prefill_tokens_while_decoding, args.max_num_batched_tokens)
     if args.max_output_len < 2:
         raise ValueError(f"--max-output-len must be >= 2 (TPOT needs two tokens), got "
                          f"{args.max_output_len}")
@@ -255,7 +256,8 @@ class PagedServer:
                 max_model_len=self.max_len, max_num_batched_tokens=a.max_num_batched_tokens,
                 steps_per_dispatch=a.steps_per_dispatch,
                 **{"steps_while_prefilling": a.steps_while_prefilling,
-                   "prefill_tokens_while_decoding": a.prefill_tokens_while_decoding or None,
+                   "prefill_tokens_while_decoding": prefill_budget_flag(
+                       a.prefill_tokens_while_decoding, a.max_num_batched_tokens),
                    "max_dispatch_ms": max_dispatch_ms_flag(a.max_dispatch_ms), **self.overrides},
                 seed=a.seed, steps=self.steps)
             # Every prefill shape it can meet, compiled now: which ones a run meets depends
@@ -620,8 +622,7 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
     while_decoding = (f" ({args.prefill_tokens_while_decoding} while rows decode)"
                       if args.prefill_tokens_while_decoding else "")
     print(f"limits: max_num_batched_tokens {args.max_num_batched_tokens}{while_decoding}, "
-          f"pool {num_blocks} "
-          f"blocks of {bs} ({num_blocks * bs} token slots), paged_jax K="
+          f"pool {num_blocks} blocks of {bs} ({num_blocks * bs} token slots), paged_jax K="
           f"{args.steps_per_dispatch}, max_model_len {max_len}", flush=True)
     warm = [Request(reqs[0][0][:8], 2)]  # first-call overhead of the transformers paths
     for name in ("generate_batch", "generate"):

@@ -62,7 +62,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 __all__ = ["DEFAULT_MAX_DISPATCH_MS", "POLICIES", "BlockCounter", "Plan", "Scheduler",
-           "Sequence", "max_dispatch_ms_flag"]
+           "Sequence", "max_dispatch_ms_flag", "prefill_budget_flag"]
 
 POLICIES = ("fcfs", "shortest_first")
 # The longest a decode dispatch of K steps may take before the engine dispatches fewer
@@ -76,6 +76,17 @@ def max_dispatch_ms_flag(value: float) -> float | None:
     infinite value."""
     if not 0 <= value < math.inf:
         raise ValueError(f"--max-dispatch-ms must be >= 0 and finite (0: off), got {value}")
+    return value or None
+
+
+def prefill_budget_flag(value: int, max_num_batched_tokens: int) -> int | None:
+    """A command line's ``--prefill-tokens-while-decoding`` as ``LLMEngine``'s
+    ``prefill_tokens_while_decoding``: 0 is None (the whole budget). Raises ``ValueError``
+    naming a value outside ``[0, max_num_batched_tokens]``."""
+    if not 0 <= value <= max_num_batched_tokens:
+        raise ValueError(f"--prefill-tokens-while-decoding must be in [0, "
+                         f"--max-num-batched-tokens={max_num_batched_tokens}] (0: the same), "
+                         f"got {value}")
     return value or None
 
 

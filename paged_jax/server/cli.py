@@ -16,7 +16,12 @@ import argparse
 import os
 import pathlib
 
-from paged_jax.engine.scheduler import DEFAULT_MAX_DISPATCH_MS, POLICIES, max_dispatch_ms_flag
+from paged_jax.engine.scheduler import (
+    DEFAULT_MAX_DISPATCH_MS,
+    POLICIES,
+    max_dispatch_ms_flag,
+    prefill_budget_flag,
+)
 
 __all__ = ["build_parser", "main", "model_name"]
 
@@ -82,12 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--port must be in [0, 65536), got {args.port}")
     try:
         max_dispatch_ms = max_dispatch_ms_flag(args.max_dispatch_ms)
+        prefill_budget = prefill_budget_flag(args.prefill_tokens_while_decoding,
+                                             args.max_num_batched_tokens)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    if not 0 <= args.prefill_tokens_while_decoding <= args.max_num_batched_tokens:
-        raise SystemExit(f"--prefill-tokens-while-decoding must be in [0, "
-                         f"--max-num-batched-tokens={args.max_num_batched_tokens}] (0: the "
-                         f"same), got {args.prefill_tokens_while_decoding}")
     import uvicorn
 
     from paged_jax.engine.llm import LLM
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              prefill_tokens_while_decoding=args.prefill_tokens_while_decoding or None,
+              prefill_tokens_while_decoding=prefill_budget,
               steps_per_dispatch=args.steps_per_dispatch,
               steps_while_prefilling=args.steps_while_prefilling,
               max_dispatch_ms=max_dispatch_ms,
