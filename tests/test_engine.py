@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from paged_jax.engine.buckets import prefill_buckets
+from paged_jax.engine.buckets import packed_widths, prefill_buckets
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.params import SamplingParams
@@ -94,6 +94,7 @@ def token_ids(outputs):
     # 8 prefill tokens an iteration while rows decode; new rows wait for the next decode.
     dict(num_blocks=SMALL, steps_per_dispatch=3, prefill_tokens_while_decoding=8),
     dict(steps_per_dispatch=3, join_decode=False, first_tokens_first=False),
+    dict(num_blocks=SMALL, steps_per_dispatch=3, pack_prefill=False),  # rows by width class
 ])
 def test_greedy_outputs_equal_the_dense_reference(model, steps, reference, kwargs):
     prompts = prompts_of(LENS)
@@ -141,35 +142,41 @@ def test_narrow_tables_give_the_dense_reference(model, reference, monkeypatch):
     assert not hoisted
 
 
-@pytest.mark.parametrize("by_width", [True, False])
-def test_prefill_chunks_run_one_dispatch_per_width_class(model, steps, reference, by_width):
-    """Chunks of 5, 30 and 9 tokens in one iteration: by width, a (2, 16) dispatch for the
-    short ones and a (1, 32) one for the long one (48 positions); otherwise one (4, 32)
-    dispatch (128). The outputs are the reference's either way."""
+@pytest.mark.parametrize("packed, by_width", [(True, True), (False, True), (False, False)])
+def test_prefill_chunks_run_packed_or_one_dispatch_per_width_class(model, steps, reference,
+                                                                 packed, by_width):
+    """Chunks of 5, 30 and 9 tokens that start their prompts, in one iteration, a fourth
+    request queued for a slot: packed, one dispatch of their 44 tokens in a row of 64; by
+    width, a (2, 16) dispatch for the short ones and a (1, 32) one for the long one (64
+    positions); otherwise one (3, 32) dispatch (96; 3 slots). Then the fourth prompt, with
+    nothing queued, by width. The outputs are the reference's each way."""
     calls = []
-    prompts = prompts_of([5, 30, 9], seed=12)
-    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=4, max_model_len=DENSE_LEN,
-                    num_blocks=64, max_num_batched_tokens=64, prefill_by_width=by_width)
+    prompts = prompts_of([5, 30, 9, 7], seed=12)
+    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=3, max_model_len=DENSE_LEN,
+                    num_blocks=64, max_num_batched_tokens=64, prefill_by_width=by_width,
+                    pack_prefill=packed)
     spy_dispatches(eng, steps, calls)
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, GREEDY)
     outs = {}
     while eng.has_unfinished_requests():
         outs.update({o.request_id: o for o in eng.step() if o.finished})
-    assert [outs[f"r{i}"].outputs[0].token_ids for i in range(3)] == [
+    assert [outs[f"r{i}"].outputs[0].token_ids for i in range(4)] == [
         reference(p, 12) for p in prompts]
-    shapes = [shape for kind, shape in calls if kind == "prefill"]
-    assert sorted(shapes) == ([(1, 32), (2, 16)] if by_width else [(4, 32)])
+    first = [shape for kind, shape in calls if kind != "decode"][:-1]
+    assert sorted(first) == ([(64,)] if packed else [(1, 32), (2, 16)] if by_width
+                             else [(3, 32)])
+    assert [c for c in calls if c[0] != "decode"][-1] == ("prefill", (1, 16))
 
 
 def split_iteration_engine(model, steps, calls, deliver, join=True):
     """The engine and prompts r0..r4 (6, 30, 5, 9 and 7 tokens) of the tests below: prompts
-    of 30, 5 and 9 tokens added together make a (2, 16) and a (1, 32) prefill dispatch. Its
-    dispatches are appended to ``calls``."""
+    of 30, 5 and 9 tokens added together make a (2, 16) and a (1, 32) prefill dispatch
+    (chunks by width class, not packed). Its dispatches are appended to ``calls``."""
     eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=8, max_model_len=DENSE_LEN,
                     num_blocks=64, max_num_batched_tokens=64, steps_per_dispatch=2,
                     max_dispatch_ms=None, first_tokens_first=False, debug=True,
-                    deliver_each_prefill=deliver, join_decode=join)
+                    deliver_each_prefill=deliver, join_decode=join, pack_prefill=False)
     spy_dispatches(eng, steps, calls)
     return eng, prompts_of([6, 30, 5, 9, 7], seed=14)
 
@@ -267,6 +274,39 @@ def test_an_iteration_left_with_only_aborted_rows_is_replanned(model, steps, ref
     while eng.has_unfinished_requests():
         outs.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
     assert [outs[f"r{i}"] for i in (2, 3, 4)] == [reference(prompts[i], 6) for i in (2, 3, 4)]
+
+
+@pytest.mark.parametrize("deliver", [True, False])
+def test_queued_requests_pack_new_prompts_beside_a_continuing_chunk(model, steps, reference,
+                                                                   deliver):
+    """r0 (40 tokens) prefills its first 32, alone, nothing queued: a (1, 32) ``prefill``.
+    Then r1 (5), r2 (9) and r3 (6) arrive, r3 queued for a slot (3 slots): the next
+    iteration packs r1's and r2's 14 tokens into a row of 16, and r0's last 8 tokens, after
+    its cached ones, go in a (1, 16) ``prefill``. The packed dispatch runs first; with
+    ``deliver_each_prefill`` ``step()`` returns r1's and r2's first tokens after it, and
+    r0's from the next call. The tokens are the dense reference's either way."""
+    calls = []
+    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=3, max_model_len=DENSE_LEN,
+                    num_blocks=64, max_num_batched_tokens=32, debug=True,
+                    deliver_each_prefill=deliver)
+    spy_dispatches(eng, steps, calls)
+    prompts = prompts_of([40, 5, 9, 6], seed=21)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
+    eng.add_request("r0", prompts[0], greedy)
+    assert eng.step() == [] and calls == [("prefill", (1, 32))]
+    for i in (1, 2, 3):
+        eng.add_request(f"r{i}", prompts[i], greedy)
+    got = {o.request_id for o in eng.step()}
+    if deliver:
+        assert got == {"r1", "r2"} and calls[1:] == [("packed", (16,))]
+        assert {o.request_id for o in eng.step()} == {"r0"}
+    else:
+        assert got == {"r0", "r1", "r2"}
+    assert calls[1:3] == [("packed", (16,)), ("prefill", (1, 16))]
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+    assert [outs[f"r{i}"] for i in range(4)] == [reference(p, 5) for p in prompts]
 
 
 @pytest.mark.parametrize("policy, order", [("fcfs", ["r0", "r1", "r2", "r3"]),
@@ -442,9 +482,9 @@ def test_compilations_are_bounded_over_a_sharegpt_like_mix(model, steps):
     with logged_compiles() as logged:
         llm.generate([[1 + i % 7] * int(n) for i, n in enumerate(lens)],
                      SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
-    compiled = [m for m in logged if "Compiling jit(_prefill)" in m]
-    bound = len(prefill_buckets(2, 128))
-    assert bound == 2 * 4  # rows 1, 2; widths 16, 32, 64, 128
+    compiled = [m for m in logged if "Compiling jit(_prefill" in m]
+    bound = len(prefill_buckets(2, 128)) + len(packed_widths(128))
+    assert bound == 2 * 4 + 4  # rows 1, 2; widths 16, 32, 64, 128; packed widths the same
     assert 1 <= len(compiled) <= llm.stats().prefill_executables <= bound
 
 
@@ -644,15 +684,19 @@ def spy_decode_steps(eng, steps, calls, record=lambda rows, num_steps: (rows, nu
 
 
 def spy_dispatches(eng, steps, calls):
-    """Append ``("prefill", tokens.shape)`` or ``("decode", num_steps)`` to ``calls`` for
-    every dispatch ``eng`` makes, in order, before it runs."""
+    """Append ``("prefill", tokens.shape)``, ``("packed", tokens.shape)`` or ``("decode",
+    num_steps)`` to ``calls`` for every dispatch ``eng`` makes, in order, before it runs."""
     spy_decode_steps(eng, steps, calls, lambda rows, num_steps: ("decode", num_steps))
 
     def prefill(params, kv, state, tokens, *args, **kwargs):
         calls.append(("prefill", tokens.shape))
         return steps.prefill(params, kv, state, tokens, *args, **kwargs)
 
-    eng.steps.prefill = prefill
+    def prefill_packed(params, kv, state, tokens, *args):
+        calls.append(("packed", tokens.shape))
+        return steps.prefill_packed(params, kv, state, tokens, *args)
+
+    eng.steps.prefill, eng.steps.prefill_packed = prefill, prefill_packed
 
 
 @pytest.mark.parametrize("budget_ms", [1e-9, 1e9])

@@ -1,4 +1,4 @@
-"""The jitted steps against our own dense, no-cache forward pass: ragged prefill, prefix
+"""The jitted steps against our own dense, no-cache forward pass: ragged and packed prefill, prefix
 sharing, copy-on-write after a fork, decode (xla and interpret-mode Pallas), the K-step scan;
 plus the promises: one compilation, buffers donated and updated in place, all-or-nothing."""
 
@@ -27,7 +27,7 @@ from paged_jax.allocator import (
 )
 from paged_jax.engine import decode_step, decode_steps, pad_prompts, prefill
 from paged_jax.engine.step_bodies import decode_step_body
-from paged_jax.engine.steps import HOIST_MAX_BYTES, Steps
+from paged_jax.engine.steps import HOIST_MAX_BYTES, Steps, prefill_packed
 from paged_jax.kernels import strategies
 from paged_jax.kvcache import KVCache, copy_blocks, init_cache
 from paged_jax.model import init_model
@@ -936,3 +936,139 @@ def test_bad_rows_are_refused_before_tracing(split_model, rows):
                                          rf"Got {rows!r}\."):
         decode_steps(graphdef, params, kv, state, first, num_steps=2, rows=rows)
     assert int(state.seq_lens[0]) == 3
+
+
+# ``prefill_packed``: the first chunks of several prompts in one row of tokens, against the
+# dense forward pass, the row ``prefill`` on the same chunks, and its refusals.
+
+
+def empty_slots(state, ids):
+    """``ids`` admitted with no tokens, as the engine's ``admit_cached`` leaves a prompt
+    without a prefix-cache hit."""
+    state, status = admit(state, jnp.array(ids), jnp.zeros(len(ids), jnp.int32))
+    status.raise_if_failed()
+    return state
+
+
+def packed(prompts, width, fill=0):
+    tokens = np.full(width, fill, np.int32)
+    tokens[: sum(map(len, prompts))] = np.concatenate(prompts)
+    return tokens
+
+
+@pytest.mark.parametrize("lens, width", [([5, 11, 1], 32), ([3, 9, 8, 12], 32)])
+def test_packed_rows_equal_the_dense_pass_and_decode_on(split_model, lens, width):
+    """Each row's logits equal its prompt's dense pass; the K/V it wrote (into scrambled
+    tables over a NaN-filled pool) carry a decode step to the dense pass's next logits.
+    Padding past the rows holds an id outside the vocabulary, never read."""
+    graphdef, params = split_model
+    prompts = prompts_of(lens, seed=len(lens))
+    ids = [2, 0, 3, 1][: len(lens)]
+    kv, state = init_cache(TINY, CACHE, fill=np.nan), scrambled_state(CACHE, seed=2)
+    state = empty_slots(state, ids)
+    rows = CACHE.max_seqs
+    logits, kv, state, status = prefill_packed(
+        graphdef, params, kv, state, packed(prompts, width, fill=TINY.vocab_size + 5),
+        np.array(ids + [-1] * (rows - len(ids))), np.array(lens + [0] * (rows - len(ids))))
+    status.raise_if_failed()
+    assert_invariants(state)
+    assert [int(state.seq_lens[i]) for i in ids] == lens
+    for i, prompt in enumerate(prompts):
+        np.testing.assert_allclose(np.asarray(logits[i]), dense_logits(graphdef, params,
+                                                                        prompt)[-1],
+                                   atol=TOL, rtol=0)
+    nxt = np.zeros(CACHE.max_seqs, np.int32)
+    nxt[ids] = np.arange(len(ids)) + 7
+    step_logits, kv, state, status = decode_step(graphdef, params, kv, state, jnp.asarray(nxt))
+    status.raise_if_failed()
+    for i, prompt in enumerate(prompts):
+        ref = dense_logits(graphdef, params, np.concatenate([prompt, [nxt[ids[i]]]]))
+        np.testing.assert_allclose(np.asarray(step_logits[ids[i]]), ref[-1], atol=TOL, rtol=0)
+
+
+def test_packed_equals_the_row_prefill_in_state_and_blocks(split_model):
+    """The same chunks through ``prefill`` (rows padded to the widest) and through
+    ``prefill_packed`` leave the same ``BlockState`` and the same K/V in every block a row
+    holds; a ``Steps`` object's method equals the module function."""
+    graphdef, params = split_model
+    lens = [7, 2, 12]
+    prompts = prompts_of(lens, seed=11)
+    ids = [1, 3, 0]
+    start = empty_slots(scrambled_state(CACHE, seed=4), ids)
+    kv0 = init_cache(TINY, CACHE)
+    row_logits, row_kv, row_state, status = prefill(
+        graphdef, params, kv0, start, jnp.asarray(pad_prompts(prompts)), jnp.array(ids),
+        jnp.array(lens), jnp.ones(3, bool))
+    status.raise_if_failed()
+    start = empty_slots(scrambled_state(CACHE, seed=4), ids)
+    steps = Steps(graphdef)
+    logits, kv, state, status = steps.prefill_packed(
+        params, init_cache(TINY, CACHE), start, packed(prompts, 32), np.array(ids),
+        np.array(lens))
+    status.raise_if_failed()
+    assert_same(state, row_state)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(row_logits), atol=TOL, rtol=0)
+    held = np.unique(np.asarray(state.block_tables)[ids])
+    held = held[held >= 0]
+    for a, b in ((kv.k, row_kv.k), (kv.v, row_kv.v)):
+        np.testing.assert_allclose(np.asarray(a)[:, :, held], np.asarray(b)[:, :, held],
+                                   atol=TOL, rtol=0)
+    start = empty_slots(scrambled_state(CACHE, seed=4), ids)
+    module = prefill_packed(graphdef, params, init_cache(TINY, CACHE), start,
+                            packed(prompts, 32), np.array(ids), np.array(lens))
+    assert_same(module[1:3], (kv, state))
+    np.testing.assert_array_equal(np.asarray(module[0]), np.asarray(logits))
+
+
+def test_refusals_name_the_row_and_change_nothing(split_model):
+    """A slot that already holds tokens, an inactive slot, a row running past the packed
+    tokens or bringing none, and an id outside the vocabulary: each refuses the whole call,
+    the cache and state exactly as they were."""
+    graphdef, params = split_model
+    kv, state = init_cache(TINY, CACHE), init_state(CACHE)
+    state = empty_slots(state, [0, 1, 2])
+    _, kv, state, status = prefill_packed(graphdef, params, kv, state, np.ones(8, np.int32),
+                                          np.array([2]), np.array([3]))
+    status.raise_if_failed()  # slot 2 now holds 3 tokens
+    bad_token = np.ones(16, np.int32)
+    bad_token[6] = TINY.vocab_size
+    cases = [
+        (np.ones(16, np.int32), [0, 2], [4, 4], [Code.NOT_APPLIED, Code.SEQ_ACTIVE],
+         r"seq 2 \(entry 1\) holds 3 tokens; expected an empty slot \(a packed prefill starts "
+         r"every row at position 0\)"),
+        (np.ones(16, np.int32), [0, 3], [4, 4], [Code.NOT_APPLIED, Code.SEQ_INACTIVE],
+         r"seq 3 \(entry 1\) is not active"),
+        (np.ones(16, np.int32), [0, 1], [10, 7], [Code.NOT_APPLIED, Code.BAD_NUM_TOKENS],
+         r"seq 1 \(entry 1\) brings 7 new tokens; expected 1 to 6, what the packed tokens "
+         r"hold from the row's start"),
+        (np.ones(16, np.int32), [0, 1], [0, 7], [Code.BAD_NUM_TOKENS, Code.NOT_APPLIED],
+         r"seq 0 \(entry 0\) brings 0 new tokens; expected 1 to 16"),
+        (bad_token, [0, 1], [4, 5], [Code.NOT_APPLIED, Code.BAD_TOKEN],
+         rf"seq 1 \(entry 1\) feeds token id {TINY.vocab_size} at position 2; expected "
+         rf"0 <= token < {TINY.vocab_size}"),
+    ]
+    for tokens, ids, n, codes, message in cases:
+        before = snapshot((kv, state))
+        _, kv, state, status = prefill_packed(graphdef, params, kv, state, tokens,
+                                              np.array(ids), np.array(n))
+        assert list(np.asarray(status.code)) == codes, message
+        assert_same((kv, state), before)
+        with pytest.raises(ValueError, match="prefill_packed failed, state unchanged: "
+                           + message):
+            status.raise_if_failed()
+
+
+def test_bad_shapes_are_refused_before_tracing(split_model):
+    graphdef, params = split_model
+    kv, state = init_cache(TINY, CACHE), init_state(CACHE)
+    with pytest.raises(ValueError, match=r"tokens must be a \[T\] int array.*Got int32\(2, 8\)"):
+        prefill_packed(graphdef, params, kv, state, np.ones((2, 8), np.int32), np.array([0, 1]),
+                       np.array([1, 1]))
+    with pytest.raises(ValueError, match=r"num_tokens must be a \[rows\] int array with rows "
+                       r"= 2.*Got int64\(3,\)|num_tokens must be a \[rows\] int array with "
+                       r"rows = 2.*Got int32\(3,\)"):
+        prefill_packed(graphdef, params, kv, state, np.ones(8, np.int32), np.array([0, 1]),
+                       np.array([1, 1, 1]))
+    with pytest.raises(ValueError, match=r"tokens must be a \[T\] int array.*float32"):
+        prefill_packed(graphdef, params, kv, state, np.ones(8, np.float32), np.array([0]),
+                       np.array([1]))

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from paged_jax.engine import events as ev
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.params import SamplingParams
-from paged_jax.engine.warmup import prefill_shapes
+from paged_jax.engine.warmup import packed_widths, prefill_shapes
 from paged_jax.model import ModelConfig, init_model
 from paged_jax.model.tokenizer import Tokenizer, default_gguf_path
 from paged_jax.server.app import ServerConfig, build_app
@@ -448,7 +448,8 @@ def test_the_serve_command_serves_token_ids_and_reads_its_key_from_the_environme
             if found or (not line and proc.poll() is not None):
                 break
         assert found, "".join(seen)
-        assert f"compiled {len(prefill_shapes(2, 32))} prefill shapes" in "".join(seen)
+        shapes = len(prefill_shapes(2, 32)) + len(packed_widths(32))
+        assert f"compiled {shapes} prefill shapes" in "".join(seen)
         url, key = found.group(1), {"Authorization": "Bearer sk-env"}
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/v1/models", headers=key).json()["data"][0]["id"] == "tiny"

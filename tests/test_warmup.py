@@ -12,7 +12,7 @@ from paged_jax.engine.buckets import pow2_at_least
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.steps import Steps
-from paged_jax.engine.warmup import prefill_shapes, warm_up
+from paged_jax.engine.warmup import packed_widths, prefill_shapes, warm_up
 from paged_jax.model import init_model
 from tests.compile_log import logged_compiles
 from tests.model_helpers import TINY
@@ -63,7 +63,7 @@ def test_after_warm_up_serving_compiles_nothing():
     engine = LLMEngine(model, steps=Steps(nnx.split(model)[0]), block_size=16, num_blocks=96,
                        max_num_seqs=4, max_model_len=160, max_num_batched_tokens=64,
                        steps_per_dispatch=4, eos_token_id=None)
-    assert warm_up(engine, progress=False) == len(prefill_shapes(4, 64))
+    assert warm_up(engine, progress=False) == len(prefill_shapes(4, 64)) + len(packed_widths(64))
     engine.check()  # padding rows changed nothing
     assert int(engine.state.num_free) == 96 and not np.asarray(engine.state.ref_counts).any()
     rng = np.random.default_rng(0)

@@ -64,6 +64,11 @@ _EXPLAIN = {
 _OP_EXPLAIN = {
     ("admit_cached", Code.BAD_LENGTH): "would hold {value} tokens; expected {at} to {limit}, "
                                        "what its listed blocks hold",
+    ("prefill_packed", Code.SEQ_ACTIVE): "holds {value} tokens; expected an empty slot (a "
+                                         "packed prefill starts every row at position 0)",
+    ("prefill_packed", Code.BAD_NUM_TOKENS): "brings {value} new tokens; expected 1 to "
+                                             "{limit}, what the packed tokens hold from the "
+                                             "row's start",
 }
 
 # Said after the explanation for one op's code, where that op offers a way out.

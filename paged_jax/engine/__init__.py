@@ -7,6 +7,7 @@ from paged_jax.engine.steps import (
     decode_steps,
     pad_prompts,
     prefill,
+    prefill_packed,
     serving_params,
 )
 
@@ -18,6 +19,7 @@ __all__ = [
     "filtered_logits",
     "pad_prompts",
     "prefill",
+    "prefill_packed",
     "sample",
     "serving_params",
 ]

@@ -95,6 +95,8 @@ ONE_PREFILL = "paged_jax_one_prefill"
 ABLATIONS = {
     ONE_PREFILL: (lambda a: {"prefill_by_width": False},
                   "prefill by width vs one prefill dispatch"),
+    "paged_jax_unpacked": (lambda a: {"pack_prefill": False},
+                           "first chunks packed vs rows by width class"),
     "paged_jax_k_while_prefilling": (
         lambda a: {"steps_while_prefilling": a.steps_per_dispatch},
         "decode steps_while_prefilling vs K throughout"),

@@ -5,12 +5,14 @@ Prefill widths are bucketed to powers of two from ``MIN_PREFILL_WIDTH`` up to
 ``(log2(max_num_seqs) + 1) * (log2(max_num_batched_tokens / MIN_PREFILL_WIDTH) + 1)`` prefill
 executables are compiled, whatever the prompts (``prefill_buckets``). ``prefill_shapes``
 narrows that to what an engine that groups an iteration's chunks by width class can meet,
-which ``engine.warmup`` compiles ahead of serving.
+which ``engine.warmup`` compiles ahead of serving, with the packed prefill's widths
+(``packed_widths``).
 """
 
 from __future__ import annotations
 
-__all__ = ["MIN_PREFILL_WIDTH", "pow2_at_least", "prefill_buckets", "prefill_shapes"]
+__all__ = ["MIN_PREFILL_WIDTH", "packed_widths", "pow2_at_least", "prefill_buckets",
+           "prefill_shapes"]
 
 MIN_PREFILL_WIDTH = 16
 
@@ -29,6 +31,12 @@ def prefill_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[tupl
     """Every ``(rows, width)`` a prefill may compile for: the bound on prefill executables."""
     widths = _pow2_buckets(MIN_PREFILL_WIDTH, max_num_batched_tokens)
     return [(r, w) for r in _pow2_buckets(1, max_num_seqs) for w in widths]
+
+
+def packed_widths(max_num_batched_tokens: int) -> list[int]:
+    """Every width a ``prefill_packed`` dispatch may have: its chunks' tokens in all, rounded
+    up to a power of two from ``MIN_PREFILL_WIDTH`` to ``max_num_batched_tokens``."""
+    return _pow2_buckets(MIN_PREFILL_WIDTH, max_num_batched_tokens)
 
 
 def prefill_shapes(max_num_seqs: int, max_num_batched_tokens: int,

@@ -7,11 +7,13 @@ Each ``step()`` runs one iteration of the scheduler's plan, or the next part of 
 
 1. release the slots of preempted sequences;
 2. evict cached blocks the iteration needs (least recently used first);
-3. the planned chunks' ``prefill``, one ragged dispatch per width class, narrowest first
-   (new admissions start on their prefix-cache hit through ``admit_cached`` and prefill
-   only the rest); a prompt whose last chunk ran samples its first token, and a request
-   with ``n > 1`` forks its completions there (``fork``: they share every block; the first
-   decode dispatch copies the partly filled last block on write). After a dispatch that
+3. the planned chunks' prefill: where requests are left queued, the chunks that start a
+   prompt packed into one ``prefill_packed`` dispatch (``pack_prefill``), then the others
+   in one ragged ``prefill`` dispatch per width class, narrowest first (new admissions
+   start on their prefix-cache hit through ``admit_cached`` and prefill only the rest);
+   a prompt whose last chunk ran samples its first token, and a request with ``n > 1``
+   forks its completions there (``fork``: they share every block; the first decode
+   dispatch copies the partly filled last block on write). After a dispatch that
    finished a prompt, with more of the iteration left, ``step()`` returns that first token
    and the next call goes on with the iteration (``deliver_each_prefill``);
 4. one ``decode_steps`` dispatch of K steps for every decoding sequence (of
@@ -123,17 +125,17 @@ class _Request:
 
 @dataclasses.dataclass
 class _Iteration:
-    """A planned iteration in progress: its prefill dispatches still to run, ``(width,
-    rows)`` narrowest first, then its plan's decode."""
+    """A planned iteration in progress: its prefill dispatches still to run, ``(width, rows,
+    packed)`` (``LLMEngine._prefill_groups``), then its plan's decode."""
 
     plan: Plan
-    groups: list[tuple[int, list]]
+    groups: list[tuple[int, list, bool]]
     now: float  # when it was planned: a new prompt's first_scheduled_time
 
     def drop_aborted(self) -> bool:
         """Drop the rows aborted since it was planned (an abort finishes its rows); whether
         anything is left to run."""
-        self.groups = [(width, live) for width, rows in self.groups
+        self.groups = [(width, live, packed) for width, rows, packed in self.groups
                        if (live := [row for row in rows if row[0].finish_reason is None])]
         self.plan = dataclasses.replace(self.plan, decode=[
             (s, n) for s, n in self.plan.decode if s.finish_reason is None])
@@ -221,9 +223,18 @@ class LLMEngine:
       seed: the default for requests without their own.
       impl: the decode attention (``"auto"``, ``"xla"``, ``"pallas"``).
       debug: check the allocator's invariants and the host's view after every step.
-      prefill_by_width: run an iteration's prefill chunks as one dispatch per width class
-        (a power of two), so that a short chunk is not padded to the longest one's width;
-        False runs them all in one dispatch (``paged-jax bench serve`` compares the two).
+      prefill_by_width: run an iteration's prefill chunks (those not packed) as one
+        dispatch per width class (a power of two), so that a short chunk is not padded to the
+        longest one's width; False runs them all in one dispatch (``paged-jax bench serve``
+        compares the two).
+      pack_prefill: where requests are still queued after an iteration's plan, run its
+        chunks that start a prompt as one ``prefill_packed`` dispatch, their tokens one after
+        another in a row as long as their sum (rounded up to a power of two), rather than
+        rows padded to a width class: one dispatch reads the weights once for all of them,
+        and no row is padded, so the queue drains sooner. With none queued, the chunks run by
+        width class, narrowest first, so that a short prompt's first token does not wait for
+        a longer one's prefill (``paged-jax bench serve`` compares the two). Chunks after
+        cached tokens always go through ``prefill_by_width``.
       bucket_decode_rows: run each decode dispatch on the slots up to the highest one
         decoding, rounded up to a power of two (``decode_rows_for``); False computes every slot
         in every step (``paged-jax bench serve`` compares the two).
@@ -247,7 +258,8 @@ class LLMEngine:
                  scheduling_policy: str = "fcfs",
                  seed: int = 0, impl: str = "auto", kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  debug: bool = False, steps: Steps | None = None,
-                 prefill_by_width: bool = True, bucket_decode_rows: bool = True, mesh=None):
+                 prefill_by_width: bool = True, pack_prefill: bool = True,
+                 bucket_decode_rows: bool = True, mesh=None):
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_model_len", max_model_len),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -302,6 +314,7 @@ class LLMEngine:
         self.enable_prefix_caching = enable_prefix_caching
         self.seed, self.impl, self.debug = seed, impl, debug
         self.prefill_by_width = bool(prefill_by_width)
+        self.pack_prefill = bool(pack_prefill)
         self.deliver_each_prefill = bool(deliver_each_prefill)
         self._rest: _Iteration | None = None  # the iteration step() is part way through
         self.bucket_decode_rows = bool(bucket_decode_rows)
@@ -345,7 +358,8 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._arrivals = 0
         self._cow_copies = 0
-        self._prefill_shapes: set[tuple[int, int]] = set()
+        # (rows, width) of each prefill dispatched, ("packed", width) of each packed one.
+        self._prefill_shapes: set[tuple] = set()
         # Per slot: the chain hash of its last cached full block and how many are entered.
         self._chain: dict[int, tuple[int, bytes]] = {}
         # (request id, Lookup) of every admission's prefix lookup. The scheduler may look a
@@ -477,9 +491,9 @@ class LLMEngine:
         rest, touched = self._rest, {}
         copies, prefilled = self._cow_copies, 0
         while rest.groups:
-            width, rows = rest.groups.pop(0)
+            width, rows, packed = rest.groups.pop(0)
             prefilled += sum(n for _, _, n in rows)
-            if self._prefill_group(rows, width, rest.now, touched) and rest.groups \
+            if self._prefill_group(rows, width, rest.now, touched, packed) and rest.groups \
                     and self.deliver_each_prefill:
                 break
         decode = []
@@ -574,37 +588,62 @@ class LLMEngine:
         self.state, status = self._admit_cached(self.state, ids, tables, counts)
         status.raise_if_failed()
 
-    def _prefill_groups(self, plan: Plan) -> list[tuple[int, list]]:
-        """The plan's prefill chunks as ``(width, rows)`` dispatches, narrowest first. A
-        prefill computes rows x width positions, padding included: one dispatch per width
-        class, so that a short chunk is not padded to the longest one's width (every row
-        extends its active slot)."""
+    def _prefill_groups(self, plan: Plan) -> list[tuple[int, list, bool]]:
+        """The plan's prefill chunks as ``(width, rows, packed)`` dispatches. With
+        ``pack_prefill`` and requests still queued after the plan, the chunks that start a
+        prompt (nothing cached before them) go first, in one ``prefill_packed`` dispatch of
+        ``width`` tokens in all. The others (after a prefix-cache hit or an earlier chunk),
+        and every chunk when none is queued, go through ``prefill``, which computes rows x
+        width positions, padding included: one dispatch per width class, narrowest first, so
+        that a short chunk is not padded to the longest one's width (every row extends its
+        active slot) and its first token does not wait for the longer ones."""
         rows = plan.prefill
+        groups = []
+        if self.pack_prefill and self.scheduler.waiting:
+            fresh = [row for row in rows if row[1] == 0]
+            rows = [row for row in rows if row[1] != 0]
+            if fresh:
+                total = sum(length for _, _, length in fresh)
+                groups.append((pow2_at_least(total, MIN_PREFILL_WIDTH,
+                                             self.max_num_batched_tokens), fresh, True))
         if not rows:
-            return []
+            return groups
         by_width: dict[int, list] = {}
         widest = max(length for _, _, length in rows)
         for row in rows:
             length = row[2] if self.prefill_by_width else widest
             width = pow2_at_least(length, MIN_PREFILL_WIDTH, self.max_num_batched_tokens)
             by_width.setdefault(width, []).append(row)
-        return sorted(by_width.items())
+        return groups + [(width, group, False) for width, group in sorted(by_width.items())]
 
-    def _prefill_group(self, rows, width: int, now: float, touched) -> bool:
-        """One prefill dispatch of ``rows`` (``(seq, start, length)`` chunks, each at most
-        ``width`` tokens), then each finished prompt's first token; whether a prompt
-        finished."""
-        nrows = pow2_at_least(len(rows), 1, self.cache_config.max_seqs)
-        self._prefill_shapes.add((nrows, width))
-        tokens = np.zeros((nrows, width), np.int32)
-        slots = np.full(nrows, -1, np.int32)
-        lens = np.zeros(nrows, np.int32)
-        for i, (s, start, length) in enumerate(rows):
-            tokens[i, :length] = s.target[start:start + length]
-            slots[i], lens[i] = s.slot, length
-        extend = slots >= 0  # every real row continues its (possibly empty) active slot
-        logits, self.kv, self.state, status = self.steps.prefill(
-            self.params, self.kv, self.state, tokens, slots, lens, extend)
+    def _prefill_group(self, rows, width: int, now: float, touched, packed: bool) -> bool:
+        """One prefill dispatch of ``rows`` (``(seq, start, length)`` chunks: each at most
+        ``width`` tokens, or ``width`` in all where ``packed``), then each finished prompt's
+        first token; whether a prompt finished."""
+        if packed:
+            self._prefill_shapes.add(("packed", width))
+            tokens = np.zeros(width, np.int32)
+            slots = np.full(self.cache_config.max_seqs, -1, np.int32)
+            lens = np.zeros(self.cache_config.max_seqs, np.int32)
+            at = 0
+            for i, (s, start, length) in enumerate(rows):
+                tokens[at:at + length] = s.target[start:start + length]
+                slots[i], lens[i] = s.slot, length
+                at += length
+            logits, self.kv, self.state, status = self.steps.prefill_packed(
+                self.params, self.kv, self.state, tokens, slots, lens)
+        else:
+            nrows = pow2_at_least(len(rows), 1, self.cache_config.max_seqs)
+            self._prefill_shapes.add((nrows, width))
+            tokens = np.zeros((nrows, width), np.int32)
+            slots = np.full(nrows, -1, np.int32)
+            lens = np.zeros(nrows, np.int32)
+            for i, (s, start, length) in enumerate(rows):
+                tokens[i, :length] = s.target[start:start + length]
+                slots[i], lens[i] = s.slot, length
+            extend = slots >= 0  # every real row continues its (possibly empty) active slot
+            logits, self.kv, self.state, status = self.steps.prefill(
+                self.params, self.kv, self.state, tokens, slots, lens, extend)
         status.raise_if_failed()
         done = []
         for i, (s, start, length) in enumerate(rows):

@@ -138,6 +138,72 @@ def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState,
     return logits, kv, state, status
 
 
+def packed_prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState,
+                        tokens, seq_ids, num_tokens, *, mesh=None):
+    """``prefill_packed`` on checked inputs: tokens [T] int, the rows' chunks one after
+    another (row ``r``'s ``num_tokens[r]`` tokens start where row ``r - 1``'s end; padding
+    rows, id -1, bring none), seq_ids and num_tokens [R] int. Every real row extends an
+    active, empty slot. The projections run on the T packed tokens; each token attends to the
+    tokens of its own row up to itself (nothing is cached before them, so no table is
+    read). Returns ``(logits [R, V], kv, state, status)``."""
+    cfg = state.config
+    model, bits = _merge(graphdef, params)
+    (width,) = tokens.shape
+    rows = seq_ids.shape[0]
+    ids = seq_ids.astype(jnp.int32)
+    real = ids != -1
+    n = jnp.where(real, num_tokens.astype(jnp.int32), 0)  # [R]
+    in_range = (ids >= 0) & (ids < cfg.max_seqs)
+    held = jnp.where(in_range, state.seq_lens[jnp.where(in_range, ids, 0)], 0)  # [R]
+    ends = jnp.cumsum(n)  # [R] where each row's tokens end in the packed row
+    starts = ends - n
+
+    st, s_append = append(state, ids, n)
+    t = jnp.arange(width, dtype=jnp.int32)
+    # The row each packed token belongs to, and its column (its position: rows start empty).
+    seg = jnp.minimum(jnp.searchsorted(ends, t, side="right"), rows - 1).astype(jnp.int32)
+    col = t - starts[seg]  # [T]
+    used = t < ends[-1]  # [T] tokens some row brings
+    bad = bad_tokens(tokens[None], used[None], model.config.vocab_size)[0]  # [T]
+    row_bad = bad[None, :] & (seg[None, :] == jnp.arange(rows)[:, None])  # [R, T]
+    first_bad = jnp.argmax(row_bad, axis=1)  # [R]
+    bad_len = real & ((n < 1) | (ends > width))
+    own = jnp.where(
+        bad_len, jnp.int32(Code.BAD_NUM_TOKENS),
+        jnp.where(real & in_range & (held != 0), jnp.int32(Code.SEQ_ACTIVE),
+                  jnp.where(jnp.any(row_bad, axis=1), jnp.int32(Code.BAD_TOKEN),
+                            jnp.int32(Code.OK))))
+    value, limit, at = details(own, {
+        Code.BAD_NUM_TOKENS: (n, jnp.maximum(width - starts, 0), None),
+        Code.SEQ_ACTIVE: (held, None, None),
+        Code.BAD_TOKEN: (tokens[first_bad], model.config.vocab_size, first_bad - starts),
+    })
+    own = Status(code=own, ids=ids, value=value, limit=limit, at=at, requested=0,
+                 num_free=state.num_free, op="prefill_packed")
+    status = combine(ids, state.num_free, "prefill_packed", s_append, own=own)
+    ok = status.applied
+    state = _select(ok, st, state)
+
+    live = ok & used  # [T]
+    slots = jnp.where(live, slot_mapping(state, ids[seg], col), -1)  # [T]
+    # Block diagonal and causal: a token sees the earlier tokens of its own row.
+    mask = ((seg[:, None] == seg[None, :]) & (col[None, :] <= col[:, None])
+            & live[None, :])  # [T, T]
+
+    def attend(layer, q, k, v, kv):  # q [1, T, Hq, D]; k, v [1, T, Hkv, D]
+        kv = write(kv, layer, slots[None], k, v)
+        # As the cache holds them, so that what this step attends to is what a later step
+        # reads back from the blocks.
+        keys, values = kv.values(kv.stored(k)), kv.values(kv.stored(v))
+        return masked_attention(q, keys, values, mask[None],
+                                per_kv_head=model.kv_head_attention), kv
+
+    h, kv = model.hidden(tokens[None].astype(jnp.int32), col[None], kv, attend, bits)  # [1, T, E]
+    logits = model.logits(h[0, jnp.maximum(ends - 1, 0)])  # [R, V]
+    kv, state = constrain(kv, state, mesh)
+    return logits, kv, state, status
+
+
 def _claim(model, kv: KVCache, state: BlockState, tokens, mask, num_steps: int, op: str,
            budgets=None):
     """``claim_feeding``, with its block copies applied to ``kv``. Copy-on-write is rare (the

@@ -63,6 +63,27 @@ def prefill_inputs(kv: KVCache, state: BlockState, tokens, seq_ids, num_tokens, 
     return tokens, seq_ids, num_tokens, extend
 
 
+def packed_prefill_inputs(kv: KVCache, state: BlockState, tokens, seq_ids, num_tokens):
+    """``prefill_packed``'s arrays, checked: ``(tokens [T], seq_ids [R], num_tokens [R])``."""
+    tokens, seq_ids = jnp.asarray(tokens), jnp.asarray(seq_ids)
+    num_tokens = jnp.asarray(num_tokens)
+    if tokens.ndim != 1 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"tokens must be a [T] int array, the rows' tokens one after another. Got "
+            f"{tokens.dtype}{tokens.shape}."
+        )
+    if seq_ids.ndim != 1 or not jnp.issubdtype(seq_ids.dtype, jnp.integer):
+        raise ValueError(f"seq_ids must be a [rows] int array. Got {seq_ids.dtype}"
+                         f"{seq_ids.shape}.")
+    if num_tokens.shape != seq_ids.shape or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"num_tokens must be a [rows] int array with rows = {seq_ids.shape[0]} (one per "
+            f"seq_ids entry). Got {num_tokens.dtype}{num_tokens.shape}."
+        )
+    check_cache(kv, state)
+    return tokens, seq_ids, num_tokens
+
+
 def check_decode_tokens(tokens, state: BlockState) -> None:
     """Raise unless ``tokens`` is a [max_seqs] int array, one per sequence slot."""
     dtype = getattr(tokens, "dtype", None)

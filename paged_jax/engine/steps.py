@@ -37,12 +37,14 @@ from paged_jax.engine.step_bodies import (
     EMBED_BITS,
     decode_step_body,
     decode_steps_body,
+    packed_prefill_body,
     prefill_body,
 )
 from paged_jax.engine.step_inputs import (
     check_cache,
     check_decode_tokens,
     decode_steps_inputs,
+    packed_prefill_inputs,
     prefill_inputs,
     step_impl,
 )
@@ -58,7 +60,8 @@ from paged_jax.sharding import (
 )
 
 __all__ = ["CONTEXT_BUCKET_TOKENS", "DONATE", "HOIST_MAX_BYTES", "Steps", "check_cache",
-           "decode_step", "decode_steps", "pad_prompts", "prefill", "serving_params",
+           "decode_step", "decode_steps", "pad_prompts", "prefill", "prefill_packed",
+           "serving_params",
            "step_impl"]
 
 DONATE = ("kv", "state")
@@ -70,6 +73,11 @@ def _prefill(graphdef, params, kv, state, tokens, seq_ids, num_tokens, extend, *
     # forms (tests/test_engine.py counts prefill compilations by that name).
     return prefill_body(graphdef, params, kv, state, tokens, seq_ids, num_tokens, extend,
                         all_logits=all_logits, bucket_tokens=bucket_tokens, mesh=mesh)
+
+def _prefill_packed(graphdef, params, kv, state, tokens, seq_ids, num_tokens, *, mesh=None):
+    # Named apart from _prefill in compile logs.
+    return packed_prefill_body(graphdef, params, kv, state, tokens, seq_ids, num_tokens,
+                               mesh=mesh)
 
 _DECODE_STEPS_STATIC = ("num_steps", "impl", "interpret", "return_logits", "sample", "filtered",
                         "rows", "hoist_max_bytes")
@@ -107,8 +115,8 @@ class Steps:
     prefill's attention and the xla decode path read (``kernels.strategies.context_widths``:
     doubling up to ``max_blocks_per_seq``, the smallest that covers the longest row chosen
     in each step); 0 reads the whole table in every step. The jitted functions are public
-    (``prefill_jit``, ``decode_step_jit``, ``decode_steps_jit``; the bodies of
-    ``step_bodies.py`` with the graph bound) so a caller can ``.lower()`` them on checked
+    (``prefill_jit``, ``prefill_packed_jit``, ``decode_step_jit``, ``decode_steps_jit``; the
+    bodies of ``step_bodies.py`` with the graph bound) so a caller can ``.lower()`` them on checked
     inputs.
 
     ``mesh``: a ``jax.sharding.Mesh`` with a ``"tp"`` axis (``paged_jax.sharding``; any
@@ -137,6 +145,8 @@ class Steps:
         self.default_key = jax.random.key(0)
         self.prefill_jit = jax.jit(functools.partial(_prefill, graphdef, mesh=mesh, **bucket),
                                    static_argnames=("all_logits",), donate_argnames=DONATE)
+        self.prefill_packed_jit = jax.jit(functools.partial(_prefill_packed, graphdef, mesh=mesh),
+                                          donate_argnames=DONATE)
         self.decode_step_jit = jax.jit(functools.partial(decode_step_body, graphdef, mesh=mesh,
                                                          **bucket),
                                        static_argnames=("impl", "interpret"),
@@ -167,6 +177,13 @@ class Steps:
         args = prefill_inputs(kv, state, tokens, seq_ids, num_tokens, extend)
         return self.prefill_jit(params, kv, state, *args, all_logits=all_logits)
 
+    def prefill_packed(self, params, kv: KVCache, state: BlockState, tokens, seq_ids,
+                       num_tokens):
+        """``prefill_packed(self.graphdef, ...)``."""
+        self._check_mesh(kv)
+        args = packed_prefill_inputs(kv, state, tokens, seq_ids, num_tokens)
+        return self.prefill_packed_jit(params, kv, state, *args)
+
     def decode_step(self, params, kv: KVCache, state: BlockState, tokens, *, impl: str = "auto",
                     interpret: bool = False):
         """``decode_step(self.graphdef, ...)``."""
@@ -196,6 +213,8 @@ class Steps:
 
 _prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "all_logits"),
                        donate_argnames=DONATE)
+_prefill_packed_jit = jax.jit(_prefill_packed, static_argnames=("graphdef",),
+                              donate_argnames=DONATE)
 _decode_step_jit = jax.jit(decode_step_body, static_argnames=("graphdef", "impl", "interpret"),
                            donate_argnames=DONATE)
 _decode_steps_jit = jax.jit(decode_steps_body, static_argnames=("graphdef", *_DECODE_STEPS_STATIC),
@@ -240,6 +259,39 @@ def prefill(
     """
     args = prefill_inputs(kv, state, tokens, seq_ids, num_tokens, extend)
     return _prefill_jit(graphdef, params, kv, state, *args, all_logits=all_logits)
+
+
+def prefill_packed(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    kv: KVCache,  # donated
+    state: BlockState,  # donated
+    tokens: jax.Array,  # [T] int32: row 0's new tokens, then row 1's, ...; padding after
+    seq_ids: jax.Array,  # [R] int32 sequence slots, -1 = padding row (brings no tokens)
+    num_tokens: jax.Array,  # [R] int32 new tokens per row, >= 1 for real rows, sum <= T
+) -> tuple[jax.Array, KVCache, BlockState, Status]:
+    """Prefill the first chunks of several prompts packed into one row of tokens.
+
+    ``prefill`` computes ``[B, T]`` positions, each row padded to the widest; here the rows'
+    chunks lie one after another in ``tokens``, so the projections and the MLP, nearly all of
+    a prefill's work, run on ``sum(num_tokens)`` tokens and the padding after them, and one
+    dispatch reads the weights once for all rows. Every real row continues its active slot,
+    which must hold no tokens yet (an admission without a prefix-cache hit: ``admit_cached``
+    with a count of 0); its tokens go at positions ``0 .. num_tokens - 1`` and attend to the
+    tokens before them in the same row. A chunk that starts after cached tokens goes through
+    ``prefill``, which reads them from the blocks.
+
+    Refused as a whole (cache and state unchanged; ``status`` names the row) when a row's slot
+    holds tokens (``SEQ_ACTIVE``) or is inactive (``SEQ_INACTIVE``), when it brings fewer than
+    one token or runs past ``T`` (``BAD_NUM_TOKENS``), would outgrow its table
+    (``BAD_LENGTH``) or the pool (``OUT_OF_BLOCKS``), or feeds an id outside
+    ``[0, vocab_size)`` (``BAD_TOKEN``, with its position in the row).
+
+    Returns:
+      ``(logits, kv, state, status)``: logits ``[R, V]`` f32 at each row's last new token.
+    """
+    args = packed_prefill_inputs(kv, state, tokens, seq_ids, num_tokens)
+    return _prefill_packed_jit(graphdef, params, kv, state, *args)
 
 
 def decode_step(

@@ -8,26 +8,27 @@ and a request then waits for a compilation (seconds for a real model on a CPU) i
 of serving. ``warm_up`` runs each shape once on padding rows, which change neither the cache
 nor the allocator's state.
 
-The shapes are ``buckets.prefill_shapes``'s. Decode is warmed for greedy requests with one
-stop id (EOS), at both of the engine's dispatch lengths (``steps_per_dispatch`` and
-``steps_while_prefilling``) and every row count (``LLMEngine.decode_rows_for``); sampled requests
-and longer stop lists compile on first use.
+The shapes are ``buckets.prefill_shapes``'s and, where the engine packs the chunks that
+start a prompt (``pack_prefill``), ``buckets.packed_widths``'s. Decode is warmed for greedy
+requests with one stop id (EOS), at both of the engine's dispatch lengths
+(``steps_per_dispatch`` and ``steps_while_prefilling``) and every row count
+(``LLMEngine.decode_rows_for``); sampled requests and longer stop lists compile on first use.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from paged_jax.engine.buckets import prefill_shapes
+from paged_jax.engine.buckets import packed_widths, prefill_shapes
 from paged_jax.engine.llm_engine import LLMEngine
 
-__all__ = ["prefill_shapes", "warm_up"]
+__all__ = ["packed_widths", "prefill_shapes", "warm_up"]
 
 
 def warm_up(engine: LLMEngine, progress: bool = True) -> int:
     """Compile ``engine``'s prefill shapes and its greedy decode dispatches; returns how many
-    prefill shapes were run. Call it before the first request (it runs on padding rows and
-    leaves the engine as it was)."""
+    prefill shapes (packed ones included) were run. Call it before the first request (it runs
+    on padding rows and leaves the engine as it was)."""
     from tqdm import tqdm
 
     if engine.has_unfinished_requests():
@@ -41,6 +42,12 @@ def warm_up(engine: LLMEngine, progress: bool = True) -> int:
             np.full(rows, -1, np.int32), np.zeros(rows, np.int32), np.zeros(rows, bool))
         status.raise_if_failed()
     s = engine.cache_config.max_seqs
+    widths = packed_widths(engine.max_num_batched_tokens) if engine.pack_prefill else []
+    for width in tqdm(widths, desc="compiling packed prefill widths", disable=not progress):
+        _, engine.kv, engine.state, status = engine.steps.prefill_packed(
+            engine.params, engine.kv, engine.state, np.zeros(width, np.int32),
+            np.full(s, -1, np.int32), np.zeros(s, np.int32))
+        status.raise_if_failed()
     decodes = [(k, rows) for k in sorted({engine.steps_while_prefilling,
                                           engine.steps_per_dispatch})
                for rows in sorted({engine.decode_rows_for(slot) for slot in range(s)})]
@@ -50,4 +57,4 @@ def warm_up(engine: LLMEngine, progress: bool = True) -> int:
             top_p=1.0, num_steps=k, impl=engine.impl, budgets=np.zeros(s, np.int32),
             stop_ids=np.full((s, 1), -1, np.int32), seeds=None, rows=rows)
         status.raise_if_failed()
-    return len(shapes)
+    return len(shapes) + len(widths)
