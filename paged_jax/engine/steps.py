@@ -61,8 +61,7 @@ from paged_jax.sharding import (
 
 __all__ = ["CONTEXT_BUCKET_TOKENS", "DONATE", "HOIST_MAX_BYTES", "Steps", "check_cache",
            "decode_step", "decode_steps", "pad_prompts", "prefill", "prefill_packed",
-           "serving_params",
-           "step_impl"]
+           "serving_params", "step_impl"]
 
 DONATE = ("kv", "state")
 
@@ -74,10 +73,12 @@ def _prefill(graphdef, params, kv, state, tokens, seq_ids, num_tokens, extend, *
     return prefill_body(graphdef, params, kv, state, tokens, seq_ids, num_tokens, extend,
                         all_logits=all_logits, bucket_tokens=bucket_tokens, mesh=mesh)
 
+
 def _prefill_packed(graphdef, params, kv, state, tokens, seq_ids, num_tokens, *, mesh=None):
     # Named apart from _prefill in compile logs.
     return packed_prefill_body(graphdef, params, kv, state, tokens, seq_ids, num_tokens,
                                mesh=mesh)
+
 
 _DECODE_STEPS_STATIC = ("num_steps", "impl", "interpret", "return_logits", "sample", "filtered",
                         "rows", "hoist_max_bytes")
