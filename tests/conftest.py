@@ -6,15 +6,17 @@ import jax
 import pytest
 
 # The suite compiles hundreds of small programs and runs most of them a few times, so
-# compiling is most of its time. XLA's backend optimization level 0 skips LLVM's
-# optimization passes on the generated CPU code, so each program compiles sooner and runs
-# slower, which the suite's tiny shapes do not notice. Every comparison keeps its own
-# tolerance; no test asserts a speed. XLA reads XLA_FLAGS when jax first starts a backend,
-# after this module is imported; a level the caller set is kept, and subprocesses (the
-# CLI and sharded tests) inherit it.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_backend_optimization_level=0").strip()
+# compiling is most of its time. Two XLA:CPU settings make each program compile sooner and
+# run slower, which the suite's tiny shapes do not notice:
+# - backend optimization level 0 skips LLVM's optimization passes on the generated code;
+# - with the MLIR fusion emitters off, XLA emits fused loops through its older IR emitter,
+#   which spends far less time per fusion than the emitters' MLIR pipeline.
+# Every comparison keeps its own tolerance; no test asserts a speed. XLA reads XLA_FLAGS when
+# jax first starts a backend, after this module is imported; a setting the caller chose is
+# kept, and subprocesses (the CLI and sharded tests) inherit these.
+for _flag in ("xla_backend_optimization_level=0", "xla_cpu_use_fusion_emitters=false"):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}".strip()
 
 # JAX's persistent compilation cache is off unless PAGED_JAX_TEST_CACHE names a folder for
 # it. Many tests compile the same step over the same tiny model and pool shape, so a warm

@@ -20,6 +20,7 @@ from paged_jax.kvcache import init_cache
 from paged_jax.model import init_model
 from paged_jax.model.llama import Llama
 from tests.model_helpers import TINY
+from tests.test_pool_scaling import compiled_hlo
 
 BF16 = TINY.replace(dtype="bfloat16")
 CACHE = CacheConfig(num_blocks=16, block_size=8, max_seqs=2, max_blocks_per_seq=8)
@@ -100,7 +101,7 @@ def test_with_the_bits_no_step_converts_the_table():
             params, kv, state, jnp.zeros(2, jnp.int32), jax.random.key(0), 0.0, num_steps=4,
             impl="xla", interpret=False, return_logits=False, sample=False)
         return [line.strip() for lowered in (prefill, decode)
-                for line in lowered.compile().as_text().splitlines()
+                for line in compiled_hlo(lowered).splitlines()
                 if table.search(line)]
 
     assert table_converts(nnx.to_pure_dict(nnx.state(model)))  # the check can see one

@@ -34,6 +34,7 @@ from paged_jax.model import init_model
 from tests.allocator_helpers import assert_matches_model
 from tests.model_helpers import TINY, dense_logits, run_greedy, scrambled_state
 from tests.reference_allocator import ModelAllocator
+from tests.test_pool_scaling import compiled_hlo, pool_sized_work
 
 TOL = 1e-4
 CACHE = CacheConfig(num_blocks=40, block_size=8, max_seqs=4, max_blocks_per_seq=8)
@@ -635,7 +636,7 @@ def test_compiled_steps_never_copy_the_kv_buffers(kv_heads, max_seqs, form, dtyp
             params, kv, state, tokens, jax.random.key(0), 0.0, num_steps=4,
             impl="xla", interpret=False, return_logits=False, sample=False,
         )
-    hlo = lowered.compile().as_text()
+    hlo = compiled_hlo(lowered)
     full = ",".join(map(str, kv.k.shape))
     flat = f"{config.num_layers},{kv_heads},{cache.num_blocks * cache.block_size},"
     copies = [line.strip() for line in hlo.splitlines()
@@ -861,8 +862,6 @@ def test_compiled_steps_do_no_pool_sized_work(num_steps):
     """A decode step's bookkeeping is O(batch): in the compiled step, with its state donated,
     nothing outside an in-place scatter produces the pool-sized state buffer (no copy, no
     select against the input state), in every branch."""
-    from tests.test_pool_scaling import pool_sized_work
-
     small = TINY.replace(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1,
                          head_dim=8, intermediate_size=64)
     graphdef, params = nnx.split(init_model(small, seed=0))
@@ -877,8 +876,7 @@ def test_compiled_steps_do_no_pool_sized_work(num_steps):
         lowered = runner.decode_steps_jit.lower(
             params, kv, state, tokens, None, None, num_steps=num_steps,
             impl="xla", interpret=False, return_logits=False, sample=False)
-    hlo = lowered.compile().as_text()
-    assert pool_sized_work(hlo, state.buffers[0].shape[0]) == []
+    assert pool_sized_work(compiled_hlo(lowered), state.buffers[0].shape[0]) == []
 
 
 @pytest.mark.parametrize("num_steps", [1, 5])

@@ -13,6 +13,7 @@ import paged_jax.kvcache as kvcache
 from paged_jax.allocator import CacheConfig
 from paged_jax.kvcache import KVCache, copy_blocks, init_cache, plan_blocks, write
 from tests.model_helpers import TINY
+from tests.test_pool_scaling import compiled_hlo
 
 CACHE = CacheConfig(num_blocks=6, block_size=8, max_seqs=2, max_blocks_per_seq=3)
 
@@ -64,7 +65,7 @@ def test_a_16_bit_write_lands_the_rounded_values_in_place(dtype):
         want_k[1, :, s // 8, s % 8] = k[b, t].astype(jnp.dtype(dtype))
         want_v[1, :, s // 8, s % 8] = v[b, t].astype(jnp.dtype(dtype))
     step = jax.jit(write, static_argnums=1, donate_argnums=0)
-    hlo = step.lower(kv, 1, jnp.asarray(slots), k, v).compile().as_text()
+    hlo = compiled_hlo(step.lower(kv, 1, jnp.asarray(slots), k, v))
     shape = ",".join(map(str, kv.k.shape))
     hlo_name = {"bfloat16": "bf16", "float16": "f16"}[dtype]
     assert f"f32[{shape}]" not in hlo and f"{hlo_name}[{shape}]" not in hlo

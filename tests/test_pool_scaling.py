@@ -48,6 +48,17 @@ def _computations(hlo: str) -> dict[str, list[str]]:
     return out
 
 
+# tests/conftest.py turns XLA:CPU's MLIR fusion emitters off to compile the suite sooner; without
+# them XLA expands every scatter into a loop that updates the whole buffer. The compiled programs
+# inspected here are the ones users run, so they are compiled with the emitters on.
+USERS_COMPILER = {"xla_cpu_use_fusion_emitters": True}
+
+
+def compiled_hlo(lowered) -> str:
+    """The HLO text of ``lowered`` compiled as outside the suite (``USERS_COMPILER``)."""
+    return lowered.compile(compiler_options=USERS_COMPILER).as_text()
+
+
 def pool_sized_work(hlo: str, size: int) -> list[str]:
     """Instructions outside fusions (in the entry, loop bodies, conditional branches) that
     produce an ``s32[size]`` array and are neither plumbing nor a fusion whose root is a
@@ -114,7 +125,7 @@ FORMS = {
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_no_pool_sized_work_but_in_place_scatters(form):
     state = _running_state()
-    hlo = jax.jit(FORMS[form], donate_argnums=0).lower(state).compile().as_text()
+    hlo = compiled_hlo(jax.jit(FORMS[form], donate_argnums=0).lower(state))
     size = state.buffers[0].shape[0]
     assert size > CFG.num_blocks
     assert pool_sized_work(hlo, size) == []
@@ -138,10 +149,10 @@ def whole_field_reads(hlo: str, size: int) -> list[str]:
 @pytest.mark.parametrize("form", sorted(set(FORMS) - {"copy_on_write"}))
 def test_growing_reads_windows_of_the_free_ring_not_the_ring(form):
     state = _running_state()
-    hlo = jax.jit(FORMS[form], donate_argnums=0).lower(state).compile().as_text()
+    hlo = compiled_hlo(jax.jit(FORMS[form], donate_argnums=0).lower(state))
     assert whole_field_reads(hlo, CFG.num_blocks) == []
     plain = jax.jit(lambda s: s.free_list[s.free_head + jnp.arange(4)]).lower(state)
-    assert whole_field_reads(plain.compile().as_text(), CFG.num_blocks)  # the check can fail
+    assert whole_field_reads(compiled_hlo(plain), CFG.num_blocks)  # the check can fail
 
 
 def test_the_check_sees_a_whole_buffer_copy():
@@ -159,7 +170,7 @@ def test_the_check_sees_a_whole_buffer_copy():
         return jax.tree.map(lambda a, b: jnp.where(status.applied, a, b), new, s)
 
     for fn in (late_read, select):
-        hlo = jax.jit(fn, donate_argnums=0).lower(state).compile().as_text()
+        hlo = compiled_hlo(jax.jit(fn, donate_argnums=0).lower(state))
         assert pool_sized_work(hlo, size), fn.__name__
 
 
