@@ -10,7 +10,14 @@ pictures).
 
 from paged_jax import allocator, sharding
 from paged_jax.allocator import *  # noqa: F403  (the allocator's public names, see its __all__)
-from paged_jax.engine import Steps, decode_step, decode_steps, prefill, prefill_packed
+from paged_jax.engine import (
+    Steps,
+    decode_step,
+    decode_steps,
+    prefill,
+    prefill_decode,
+    prefill_packed,
+)
 from paged_jax.engine.data_parallel import DataParallelEngine
 from paged_jax.engine.llm import LLM
 from paged_jax.engine.llm_engine import LLMEngine
@@ -55,6 +62,7 @@ __all__ = [
     "paged_attention_xla",
     "plan_blocks",
     "prefill",
+    "prefill_decode",
     "prefill_packed",
     "render_layout",
     "sharding",

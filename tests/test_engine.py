@@ -172,11 +172,13 @@ def test_prefill_chunks_run_packed_or_one_dispatch_per_width_class(model, steps,
 def split_iteration_engine(model, steps, calls, deliver, join=True):
     """The engine and prompts r0..r4 (6, 30, 5, 9 and 7 tokens) of the tests below: prompts
     of 30, 5 and 9 tokens added together make a (2, 16) and a (1, 32) prefill dispatch
-    (chunks by width class, not packed). Its dispatches are appended to ``calls``."""
+    (chunks by width class, not packed), and no decode runs in a prefill's dispatch. Its
+    dispatches are appended to ``calls``."""
     eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=8, max_model_len=DENSE_LEN,
                     num_blocks=64, max_num_batched_tokens=64, steps_per_dispatch=2,
                     max_dispatch_ms=None, first_tokens_first=False, debug=True,
-                    deliver_each_prefill=deliver, join_decode=join, pack_prefill=False)
+                    deliver_each_prefill=deliver, join_decode=join, pack_prefill=False,
+                    decode_with_prefill=False)
     spy_dispatches(eng, steps, calls)
     return eng, prompts_of([6, 30, 5, 9, 7], seed=14)
 
@@ -471,6 +473,50 @@ def test_a_long_prompt_is_chunked_and_never_stalls_running_requests(model, steps
     assert chunked == unchunked
 
 
+@pytest.mark.parametrize("with_prefill", [True, False])
+def test_a_chunk_and_the_decode_step_beside_it_run_in_one_dispatch(model, steps, reference,
+                                                                   with_prefill):
+    """A 60-token prompt arrives while a greedy and a seeded top-k/top-p request decode, with
+    16-token chunks while rows decode. With ``decode_with_prefill`` each iteration of its
+    prefill but the last is one ``prefill_decode`` dispatch, the chunk and both rows' decode
+    step; without it, a prefill dispatch and a decode dispatch of one step. The last chunk's
+    iteration returns its first token alone (first tokens first). Every request's tokens
+    are the same either way, and the greedy ones are the dense reference's."""
+    prompts = prompts_of([5, 7, 60], seed=21)
+    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=4, max_model_len=DENSE_LEN,
+                    num_blocks=64, max_num_batched_tokens=32, prefill_tokens_while_decoding=16,
+                    debug=True, decode_with_prefill=with_prefill)
+    calls = []
+    spy_dispatches(eng, steps, calls)
+    sampled = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=5, max_tokens=14)
+    eng.add_request("greedy", prompts[0], SamplingParams(temperature=0.0, max_tokens=14))
+    eng.add_request("sampled", prompts[1], sampled)
+    eng.step()  # both prefilled
+    eng.step()  # and decoding
+    eng.add_request("long", prompts[2], SamplingParams(temperature=0.0, max_tokens=4))
+    per_step = []
+    while not eng.requests["long"].seqs[0].decoding:
+        before = len(calls)
+        eng.step()
+        per_step.append(calls[before:])
+    # The last chunk's iteration runs no decode (first tokens first).
+    beside = ([("prefill_decode", (1, 16))] if with_prefill
+              else [("prefill", (1, 16)), ("decode", 1)])
+    assert per_step == [beside] * 3 + [[("prefill", (1, 16))]]
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+    assert outs["greedy"] == reference(prompts[0], 14)
+    assert outs["long"] == reference(prompts[2], 4)
+    alone = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=4,
+                      max_model_len=DENSE_LEN, num_blocks=64, max_num_batched_tokens=32)
+    alone.add_request("sampled", prompts[1], sampled)
+    while alone.has_unfinished_requests():
+        for o in alone.step():
+            want = o.outputs[0].token_ids
+    assert outs["sampled"] == want
+
+
 def test_compilations_are_bounded_over_a_sharegpt_like_mix(model, steps):
     """Prompt lengths 1..1024 (log-uniform, as ShareGPT's): the prefill executables compiled
     (jax's own compile log) stay within the stated bound."""
@@ -684,8 +730,9 @@ def spy_decode_steps(eng, steps, calls, record=lambda rows, num_steps: (rows, nu
 
 
 def spy_dispatches(eng, steps, calls):
-    """Append ``("prefill", tokens.shape)``, ``("packed", tokens.shape)`` or ``("decode",
-    num_steps)`` to ``calls`` for every dispatch ``eng`` makes, in order, before it runs."""
+    """Append ``("prefill", tokens.shape)``, ``("packed", tokens.shape)``,
+    ``("prefill_decode", tokens.shape)`` or ``("decode", num_steps)`` to ``calls`` for every
+    dispatch ``eng`` makes, in order, before it runs."""
     spy_decode_steps(eng, steps, calls, lambda rows, num_steps: ("decode", num_steps))
 
     def prefill(params, kv, state, tokens, *args, **kwargs):
@@ -696,7 +743,12 @@ def spy_dispatches(eng, steps, calls):
         calls.append(("packed", tokens.shape))
         return steps.prefill_packed(params, kv, state, tokens, *args)
 
+    def prefill_decode(params, kv, state, tokens, *args, **kwargs):
+        calls.append(("prefill_decode", tokens.shape))
+        return steps.prefill_decode(params, kv, state, tokens, *args, **kwargs)
+
     eng.steps.prefill, eng.steps.prefill_packed = prefill, prefill_packed
+    eng.steps.prefill_decode = prefill_decode
 
 
 @pytest.mark.parametrize("budget_ms", [1e-9, 1e9])
@@ -734,9 +786,10 @@ def test_a_prompt_s_first_token_comes_back_from_its_prefill_alone(model, steps, 
     """r1 arrives while r0 decodes. With ``first_tokens_first`` the step that prefills r1
     runs no decode dispatch: it returns r1's first token and nothing new for r0, whose next
     token comes in the following step, beside r1's second. Without it, that step also
-    decodes r0 one step. The tokens are the dense reference's either way."""
+    decodes r0 one step (in a dispatch of its own). The tokens are the dense reference's
+    either way."""
     llm = engine(model, steps, max_num_seqs=4, steps_per_dispatch=2, max_dispatch_ms=None,
-                 first_tokens_first=first)
+                 first_tokens_first=first, decode_with_prefill=False)
     eng, calls = llm.engine, []
     spy_decode_steps(eng, steps, calls)
     prompts = prompts_of([5, 7], seed=11)

@@ -16,6 +16,7 @@ from flax import nnx
 from paged_jax.allocator import (
     CacheConfig,
     Code,
+    OutOfBlocksError,
     admit,
     allocate_blocks,
     assert_invariants,
@@ -27,7 +28,7 @@ from paged_jax.allocator import (
 )
 from paged_jax.engine import decode_step, decode_steps, pad_prompts, prefill
 from paged_jax.engine.step_bodies import decode_step_body
-from paged_jax.engine.steps import HOIST_MAX_BYTES, Steps, prefill_packed
+from paged_jax.engine.steps import HOIST_MAX_BYTES, Steps, prefill_decode, prefill_packed
 from paged_jax.kernels import strategies
 from paged_jax.kvcache import KVCache, copy_blocks, init_cache
 from paged_jax.model import init_model
@@ -1070,3 +1071,146 @@ def test_bad_shapes_are_refused_before_tracing(split_model):
     with pytest.raises(ValueError, match=r"tokens must be a \[T\] int array.*float32"):
         prefill_packed(graphdef, params, kv, state, np.ones(8, np.float32), np.array([0]),
                        np.array([1]))
+
+
+# ``prefill_decode``: a prefill and one decode step in one forward pass, against the dense
+# pass, against the two steps run one after the other, and its refusals.
+
+
+def running(graphdef, params, fill=0.0):
+    """Slots 0 and 2 holding prompts of 5 and 11 tokens (scrambled tables, a pool of
+    ``fill``), slot 1 holding the first 6 tokens of a 14-token prompt, slot 3 empty; returns
+    ``(kv, state, prompts, first)``: the three prompts and the first greedy tokens of slots 0
+    and 2."""
+    prompts = prompts_of([5, 14, 11], seed=21)
+    kv, state = init_cache(TINY, CACHE, fill=fill), scrambled_state(CACHE, seed=5)
+    logits, kv, state, status = prefill(
+        graphdef, params, kv, state, jnp.asarray(pad_prompts([prompts[0], prompts[1][:6],
+                                                              prompts[2]])),
+        jnp.array([0, 1, 2]), jnp.array([5, 6, 11]))
+    status.raise_if_failed()
+    first = np.zeros(CACHE.max_seqs, np.int32)
+    first[[0, 2]] = np.argmax(np.asarray(logits)[[0, 2]], -1)
+    return kv, state, prompts, first
+
+
+def test_prefill_decode_equals_the_dense_pass(split_model):
+    """Slots 0 and 2 decode a token while slot 1 gets its prompt's next 8 tokens and slot 3
+    its first 3, over a NaN-filled pool: the decode rows' tokens are the dense pass's argmax,
+    the prefill rows' logits its last logits, and a decode step of all four after it gives
+    the dense pass's next logits (every K/V landed in its place)."""
+    graphdef, params = split_model
+    kv, state, prompts, first = running(graphdef, params, fill=np.nan)
+    state = empty_slots(state, [3])
+    fresh = prompts_of([3], seed=22)[0]
+    budgets = np.array([1, 0, 1, 0], np.int32)
+    emitted, logits, kv, state, status = prefill_decode(
+        graphdef, params, kv, state, pad_prompts([prompts[1][6:], fresh]), np.array([1, 3]),
+        np.array([8, 3]), np.array([True, True]), first, budgets=budgets)
+    status.raise_if_failed()
+    assert list(np.asarray(status.code)) == [Code.OK] * 6
+    assert_invariants(state)
+    assert np.asarray(state.seq_lens).tolist() == [6, 14, 12, 3]
+    seqs = {0: np.append(prompts[0], first[0]), 1: prompts[1], 2: np.append(prompts[2], first[2]),
+            3: fresh}
+    ref = {s: dense_logits(graphdef, params, seq) for s, seq in seqs.items()}
+    for s in (0, 2):
+        assert int(emitted[s]) == int(np.argmax(ref[s][-1]))
+    assert int(emitted[1]) == int(emitted[3]) == -1
+    for row, s in enumerate((1, 3)):
+        np.testing.assert_allclose(np.asarray(logits[row]), ref[s][-1], atol=TOL, rtol=0)
+    nxt = np.array([int(emitted[0]), 7, int(emitted[2]), 9], np.int32)
+    step_logits, kv, state, status = decode_step(graphdef, params, kv, state, jnp.asarray(nxt))
+    status.raise_if_failed()
+    for s, seq in seqs.items():
+        want = dense_logits(graphdef, params, np.append(seq, nxt[s]))[-1]
+        np.testing.assert_allclose(np.asarray(step_logits[s]), want, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("sampled,rows", [(False, None), (True, None), (False, 3),
+                                           (True, 2)])
+def test_prefill_decode_equals_prefill_then_one_decode_step(split_model, sampled, rows):
+    """The same work as ``prefill`` then ``decode_steps(num_steps=1)`` (seeded sampling with
+    top-k and top-p, or greedy): the same tokens, the same state, the same K/V in every block
+    a row holds; a ``Steps`` object's method equals the module function. With ``rows`` 3 the
+    decode computes slots 0..2 only and gives the same; with 2, slot 2 does not decode, as in
+    ``decode_steps`` with the same ``rows``."""
+    graphdef, params = split_model
+    decode_rows = rows
+    budgets = np.array([1, 0, 1, 0], np.int32)
+    seeds = np.array([3, 0, 8, 0], np.int32)
+    rows = (pad_prompts([prompts_of([14], seed=21)[0][6:]]), np.array([1]), np.array([8]),
+            np.array([True]))
+    draw = (dict(temperature=np.full(4, 0.9, np.float32), top_k=np.full(4, 20, np.int32),
+                 top_p=np.full(4, 0.8, np.float32), seeds=seeds) if sampled else {})
+    kv, state, _, first = running(graphdef, params)
+    want_logits, kv, state, status = prefill(graphdef, params, kv, state, *rows)
+    status.raise_if_failed()
+    toks, _, want_kv, want_state, status = decode_steps(
+        graphdef, params, kv, state, first, num_steps=1, budgets=budgets,
+        rows=2 if decode_rows == 2 else None, **draw)
+    status.raise_if_failed()
+    kv, state, _, first = running(graphdef, params)
+    emitted, logits, kv, state, status = Steps(graphdef).prefill_decode(
+        params, kv, state, *rows, first, budgets=budgets, rows=decode_rows, **draw)
+    status.raise_if_failed()
+    np.testing.assert_array_equal(np.asarray(emitted), np.asarray(toks)[0])
+    assert (int(emitted[2]) == -1) == (decode_rows == 2)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=TOL, rtol=0)
+    assert_same(state, want_state)
+    held = np.unique(np.asarray(state.block_tables))
+    held = held[held >= 0]
+    for a, b in ((kv.k, want_kv.k), (kv.v, want_kv.v)):
+        np.testing.assert_allclose(np.asarray(a)[:, :, held], np.asarray(b)[:, :, held],
+                                   atol=TOL, rtol=0)
+    got = snapshot((emitted, state))
+    kv, state, _, first = running(graphdef, params)
+    module = prefill_decode(graphdef, params, kv, state, *rows, first, budgets=budgets,
+                            rows=decode_rows, **draw)
+    assert_same((module[0], module[3]), got)
+
+
+def test_prefill_decode_refusals_change_nothing(split_model):
+    """A slot in both parts, a prefill row into an occupied slot, a decode token outside the
+    vocabulary and a pool too small for both parts: each refuses the whole call, naming the
+    entry, with the cache and state exactly as they were."""
+    graphdef, params = split_model
+    kv, state, prompts, first = running(graphdef, params)
+    rows = (pad_prompts([prompts[1][6:]]), np.array([1]), np.array([8]))
+    bad_token = first.copy()
+    bad_token[2] = TINY.vocab_size
+    cases = [
+        (rows + (np.array([True]),), first, np.array([1, 1, 1, 0]), 4,
+         r"seq 1 \(entry 4\) appears more than once in the batch"),
+        (rows + (np.array([False]),), first, np.array([1, 0, 1, 0]), 4,
+         r"seq 1 \(entry 4\) is already active"),
+        (rows + (np.array([True]),), bad_token, np.array([1, 0, 1, 0]), 2,
+         rf"seq 2 \(entry 2\) feeds token id {TINY.vocab_size} at position 11"),
+    ]
+    for args, tokens, budgets, entry, message in cases:
+        before = snapshot((kv, state))
+        emitted, _, kv, state, status = prefill_decode(graphdef, params, kv, state, *args,
+                                                       tokens, budgets=budgets)
+        codes = np.asarray(status.code)
+        assert codes.shape == (5,) and codes[entry] not in (Code.OK, Code.NOT_APPLIED)
+        assert set(np.delete(codes, entry).tolist()) <= {Code.NOT_APPLIED, Code.OK}
+        assert not np.asarray(status.applied)
+        assert (np.asarray(emitted) == -1).all()
+        assert_same((kv, state), before)
+        with pytest.raises(ValueError, match="prefill_decode failed, state unchanged: "
+                           + message):
+            status.raise_if_failed()
+    for rows_arg in (0, 5, 2.0):  # checked before tracing
+        with pytest.raises(ValueError, match=rf"rows must be None or an int in 1..max_seqs "
+                                             rf"\(4\). Got {rows_arg!r}"):
+            prefill_decode(graphdef, params, kv, state, *rows, np.array([True]), first,
+                           budgets=np.array([1, 0, 1, 0]), rows=rows_arg)
+    state, _, st = allocate_blocks(state, int(state.num_free))  # drain the pool
+    st.raise_if_failed()
+    before = snapshot((kv, state))
+    _, _, kv, state, status = prefill_decode(graphdef, params, kv, state, *rows,
+                                             np.array([True]), first,
+                                             budgets=np.array([1, 0, 1, 0]))
+    assert_same((kv, state), before)
+    with pytest.raises(OutOfBlocksError):
+        status.raise_if_failed()

@@ -62,8 +62,14 @@ def test_after_warm_up_serving_compiles_nothing():
     model = init_model(TINY, seed=5)
     engine = LLMEngine(model, steps=Steps(nnx.split(model)[0]), block_size=16, num_blocks=96,
                        max_num_seqs=4, max_model_len=160, max_num_batched_tokens=64,
-                       steps_per_dispatch=4, eos_token_id=None)
-    assert warm_up(engine, progress=False) == len(prefill_shapes(4, 64)) + len(packed_widths(64))
+                       steps_per_dispatch=4, eos_token_id=None, decode_with_prefill=True)
+    shapes = prefill_shapes(4, 64)
+    one_row = [width for rows, width in shapes if rows == 1]  # beside a decode step ...
+    assert one_row == [16, 32, 64]
+    decode_rows = [1, 2, 4]  # ... of each row count (decode_rows_for: powers of two)
+    assert sorted({engine.decode_rows_for(slot) for slot in range(4)}) == decode_rows
+    assert warm_up(engine, progress=False) == (len(shapes) + len(packed_widths(64))
+                                               + len(one_row) * len(decode_rows))
     engine.check()  # padding rows changed nothing
     assert int(engine.state.num_free) == 96 and not np.asarray(engine.state.ref_counts).any()
     rng = np.random.default_rng(0)
@@ -78,5 +84,5 @@ def test_after_warm_up_serving_compiles_nothing():
         while engine.has_unfinished_requests():
             engine.step()
     compiled = [m.split(" with ")[0] for m in logged]
-    assert not [c for c in compiled if "_prefill" in c or "decode_steps" in c], compiled
+    assert not [c for c in compiled if "prefill" in c or "decode_steps" in c], compiled
     assert engine.stats().finished == 40

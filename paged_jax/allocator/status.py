@@ -208,6 +208,17 @@ def combine(ids, num_free, op: str, *statuses: Status, own: Status | None = None
                   requested=jnp.asarray(requested, jnp.int32), num_free=num_free, op=op)
 
 
+def concat(op: str, num_free, *statuses: Status) -> Status:
+    """One status for ops over different entries run as one, all-or-nothing: their entries
+    one after another (each keeps its code and details); ``requested`` adds up."""
+    fields = {name: jnp.concatenate([getattr(s, name) for s in statuses])
+              for name in ("code", "ids", "value", "limit", "at")}
+    fields["code"], _ = finalize(fields["code"])
+    requested = sum(s.requested for s in statuses)
+    return Status(**fields, requested=jnp.asarray(requested, jnp.int32), num_free=num_free,
+                  op=op)
+
+
 def finalize(code: jax.Array) -> tuple[jax.Array, jax.Array]:
     """All-or-nothing: returns ``(code, apply)``; on any failure every other entry becomes
     ``NOT_APPLIED`` and ``apply`` is false."""

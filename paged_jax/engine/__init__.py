@@ -7,6 +7,7 @@ from paged_jax.engine.steps import (
     decode_steps,
     pad_prompts,
     prefill,
+    prefill_decode,
     prefill_packed,
     serving_params,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "filtered_logits",
     "pad_prompts",
     "prefill",
+    "prefill_decode",
     "prefill_packed",
     "sample",
     "serving_params",

@@ -97,6 +97,9 @@ ABLATIONS = {
                   "prefill by width vs one prefill dispatch"),
     "paged_jax_unpacked": (lambda a: {"pack_prefill": False},
                            "first chunks packed vs rows by width class"),
+    "paged_jax_decode_with_prefill": (
+        lambda a: {"decode_with_prefill": True},
+        "the decode step apart vs in one dispatch with a one-row chunk"),
     "paged_jax_k_while_prefilling": (
         lambda a: {"steps_while_prefilling": a.steps_per_dispatch},
         "decode steps_while_prefilling vs K throughout"),

@@ -22,7 +22,9 @@ Each ``step()`` runs one iteration of the scheduler's plan, or the next part of 
    and stop ids inside the dispatch; none in an iteration whose prefill finishes a prompt
    and leaves none to prefill (``first_tokens_first``), unless the one before had none.
    The sequences whose prompt finished in the iteration join it where the free blocks
-   hold their steps (``join_decode``);
+   hold their steps (``join_decode``). With ``decode_with_prefill``, a decode of one step
+   runs in the same ``prefill_decode`` dispatch as the iteration's last prefill chunk where
+   that is one row;
 5. on the host: new tokens, stop strings, finished sequences released, newly full blocks
    entered in the prefix cache.
 
@@ -142,6 +144,25 @@ class _Iteration:
         return bool(self.groups or self.plan.decode)
 
 
+@dataclasses.dataclass
+class _DecodeRows:
+    """A decode dispatch's per-slot arrays ([max_seqs] each; ``stop_ids`` [max_seqs, M]):
+    the token each row feeds, its budget of steps (0: it does not decode), seed and sampling
+    settings; the blocks its steps take beyond the rows' last ones (``new_blocks``); and
+    whether any row samples (``sampled``), with top-k or top-p (``filtered``)."""
+
+    tokens: np.ndarray
+    budgets: np.ndarray
+    seeds: np.ndarray
+    temps: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    stop_ids: np.ndarray | None = None
+    new_blocks: int = 0
+    sampled: bool = False
+    filtered: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine (``LLMEngine.stats``). Token occupancy is the tokens the
@@ -235,6 +256,16 @@ class LLMEngine:
         width class, narrowest first, so that a short prompt's first token does not wait for
         a longer one's prefill (``paged-jax bench serve`` compares the two). Chunks after
         cached tokens always go through ``prefill_by_width``.
+      decode_with_prefill: where an iteration's last prefill dispatch is one row (a chunk after
+        cached tokens or the only new prompt, not packed) and its decode is one step (as
+        ``steps_while_prefilling`` makes it), run both as one ``prefill_decode`` dispatch:
+        one forward pass, which reads the weights once for both, and one host round trip.
+        Its decode rows are ``decode_rows_for``'s, as a decode dispatch's. The chunk's
+        prompt, if this finishes it, decodes from the next iteration on (``paged-jax bench
+        serve`` compares the two). Off by default: every (chunk width, decode rows) pair is
+        one more executable to compile, each slower to compile than a prefill shape, and an
+        XLA:CPU process that holds a few dozen of a real model's executables can run out of
+        memory mappings (``warm_up`` compiles them all).
       bucket_decode_rows: run each decode dispatch on the slots up to the highest one
         decoding, rounded up to a power of two (``decode_rows_for``); False computes every slot
         in every step (``paged-jax bench serve`` compares the two).
@@ -259,7 +290,7 @@ class LLMEngine:
                  seed: int = 0, impl: str = "auto", kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  debug: bool = False, steps: Steps | None = None,
                  prefill_by_width: bool = True, pack_prefill: bool = True,
-                 bucket_decode_rows: bool = True, mesh=None):
+                 decode_with_prefill: bool = False, bucket_decode_rows: bool = True, mesh=None):
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_model_len", max_model_len),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -315,6 +346,7 @@ class LLMEngine:
         self.seed, self.impl, self.debug = seed, impl, debug
         self.prefill_by_width = bool(prefill_by_width)
         self.pack_prefill = bool(pack_prefill)
+        self.decode_with_prefill = bool(decode_with_prefill)
         self.deliver_each_prefill = bool(deliver_each_prefill)
         self._rest: _Iteration | None = None  # the iteration step() is part way through
         self.bucket_decode_rows = bool(bucket_decode_rows)
@@ -358,7 +390,8 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._arrivals = 0
         self._cow_copies = 0
-        # (rows, width) of each prefill dispatched, ("packed", width) of each packed one.
+        # (rows, width) of each prefill dispatched, ("packed", width) of each packed one,
+        # ("prefill_decode", width, decode rows) of each chunk run with the decode step.
         self._prefill_shapes: set[tuple] = set()
         # Per slot: the chain hash of its last cached full block and how many are entered.
         self._chain: dict[int, tuple[int, bytes]] = {}
@@ -489,17 +522,20 @@ class LLMEngine:
         if self._rest is None or not self._rest.drop_aborted():
             self._rest = self._begin()
         rest, touched = self._rest, {}
-        copies, prefilled = self._cow_copies, 0
+        copies, prefilled, mixed = self._cow_copies, 0, False
         while rest.groups:
             width, rows, packed = rest.groups.pop(0)
             prefilled += sum(n for _, _, n in rows)
-            if self._prefill_group(rows, width, rest.now, touched, packed) and rest.groups \
+            if not rest.groups and self._decodes_with_prefill(rest.plan, rows, packed):
+                self._run_prefill_decode(rest.plan, rows, width, rest.now, touched)
+                mixed = True
+            elif self._prefill_group(rows, width, rest.now, touched, packed) and rest.groups \
                     and self.deliver_each_prefill:
                 break
         decode = []
         if not rest.groups:
             self._rest = None
-            if rest.plan.decode:
+            if rest.plan.decode and not mixed:
                 self._join_decode(rest.plan)
                 self._run_decode(rest.plan, touched)
             decode = rest.plan.decode
@@ -633,18 +669,29 @@ class LLMEngine:
             logits, self.kv, self.state, status = self.steps.prefill_packed(
                 self.params, self.kv, self.state, tokens, slots, lens)
         else:
-            nrows = pow2_at_least(len(rows), 1, self.cache_config.max_seqs)
-            self._prefill_shapes.add((nrows, width))
-            tokens = np.zeros((nrows, width), np.int32)
-            slots = np.full(nrows, -1, np.int32)
-            lens = np.zeros(nrows, np.int32)
-            for i, (s, start, length) in enumerate(rows):
-                tokens[i, :length] = s.target[start:start + length]
-                slots[i], lens[i] = s.slot, length
-            extend = slots >= 0  # every real row continues its (possibly empty) active slot
+            self._prefill_shapes.add((pow2_at_least(len(rows), 1, self.cache_config.max_seqs),
+                                      width))
             logits, self.kv, self.state, status = self.steps.prefill(
-                self.params, self.kv, self.state, tokens, slots, lens, extend)
+                self.params, self.kv, self.state, *self._prefill_rows(rows, width))
         status.raise_if_failed()
+        return self._prefilled(rows, logits, now, touched)
+
+    def _prefill_rows(self, rows, width: int):
+        """``prefill``'s ``(tokens, seq_ids, num_tokens, extend)`` for ``rows``, as many rows
+        as the power of two that covers them (padding rows have slot -1)."""
+        nrows = pow2_at_least(len(rows), 1, self.cache_config.max_seqs)
+        tokens = np.zeros((nrows, width), np.int32)
+        slots = np.full(nrows, -1, np.int32)
+        lens = np.zeros(nrows, np.int32)
+        for i, (s, start, length) in enumerate(rows):
+            tokens[i, :length] = s.target[start:start + length]
+            slots[i], lens[i] = s.slot, length
+        return tokens, slots, lens, slots >= 0  # every real row continues its active slot
+
+    def _prefilled(self, rows, logits, now: float, touched) -> bool:
+        """After ``rows``' prefill dispatch: their cached tokens and blocks, then each finished
+        prompt's first token from ``logits`` (row ``i`` of ``rows`` at row ``i``); whether a
+        prompt finished."""
         done = []
         for i, (s, start, length) in enumerate(rows):
             s.cached = start + length
@@ -657,6 +704,38 @@ class LLMEngine:
         if done:
             self._first_tokens(logits, done, touched)
         return bool(done)
+
+    def _decodes_with_prefill(self, plan: Plan, rows, packed: bool) -> bool:
+        """Whether the iteration's last prefill dispatch, ``rows``, runs with its decode in
+        one ``prefill_decode`` dispatch (``decode_with_prefill``): one row, not packed, beside a
+        decode dispatch of one step."""
+        return (self.decode_with_prefill and not packed and len(rows) == 1 and bool(plan.decode)
+                and plan.decode_steps == 1)
+
+    def _run_prefill_decode(self, plan: Plan, rows, width: int, now: float, touched) -> None:
+        """The iteration's last prefill chunk and its decode step in one ``prefill_decode``
+        dispatch. The rows whose prompt finished in the iteration's earlier dispatches join
+        the decode first (``join_decode``); the chunk's own prompt, if this finishes it,
+        gets its first token from the dispatch's logits and decodes in the next iteration."""
+        ((seq, start, length),) = rows
+        bs = self.cache_config.block_size
+        chunk_blocks = cdiv(start + length, bs) - cdiv(start, bs)
+        self._join_decode(plan, chunk_blocks)
+        d = self._decode_rows(plan)
+        decode_rows = self.decode_rows_for(max(s.slot for s, _ in plan.decode))
+        self._prefill_shapes.add(("prefill_decode", width, decode_rows))
+        free_before = int(self.state.num_free)
+        emitted, logits, self.kv, self.state, status = self.steps.prefill_decode(
+            self.params, self.kv, self.state, *self._prefill_rows(rows, width), d.tokens, None,
+            d.temps if d.sampled else 0.0, top_k=d.top_k if d.filtered else 0,
+            top_p=d.top_p if d.filtered else 1.0, impl=self.impl, budgets=d.budgets,
+            seeds=d.seeds if d.sampled else None, rows=decode_rows)
+        status.raise_if_failed()
+        emitted = np.asarray(jax.device_get(emitted))[None]  # [1, S], as decode_steps' [K, S]
+        # A continuing chunk fills its own last block and takes new ones: it copies none.
+        self._decoded(plan, emitted, free_before - chunk_blocks - int(self.state.num_free)
+                      - d.new_blocks, touched)
+        self._prefilled(rows, logits, now, touched)
 
     def _hash_of(self, blocks) -> bytes:
         return self.prefix_cache.by_block[blocks[-1]] if blocks else ROOT
@@ -715,9 +794,10 @@ class LLMEngine:
         req.seqs += children
         return children
 
-    def _join_decode(self, plan: Plan) -> None:
+    def _join_decode(self, plan: Plan, taken: int = 0) -> None:
         """Add the rows whose prompt finished in this iteration to its decode dispatch, as
-        many as the free blocks hold (``join_decode``; ``Scheduler.join``). Not the
+        many as the free blocks hold, less ``taken`` that a prefill in the same dispatch
+        takes (``join_decode``; ``Scheduler.join``). Not the
         completions of a request with ``n > 1``: they forked in this iteration, and a step
         is published as one snapshot, so their first writes (a copy on write of the shared
         last block) come in the next one, where a picture can show them after the fork."""
@@ -726,7 +806,7 @@ class LLMEngine:
         if joiners:
             snap = PoolSnapshot.take(self.state, self.prefix_cache, self.cache_config.block_size,
                                      self.enable_prefix_caching)
-            self.scheduler.join(plan, joiners, snap, snap.num_free)
+            self.scheduler.join(plan, joiners, snap, snap.num_free - taken)
 
     def dispatch_steps(self) -> int:
         """The decode dispatch length for this iteration when nothing is prefilled: K, or
@@ -751,47 +831,55 @@ class LLMEngine:
             return s_count
         return pow2_at_least(highest_slot + 1, 1, s_count)
 
-    def _run_decode(self, plan: Plan, touched) -> None:
+    def _decode_rows(self, plan: Plan) -> _DecodeRows:
+        """The per-slot arrays of ``plan``'s decode rows (``_DecodeRows``)."""
         cfg = self.cache_config
         s_count = cfg.max_seqs
-        new_blocks = 0
-        free_before = int(self.state.num_free)
-        tokens = np.zeros(s_count, np.int32)
-        budgets = np.zeros(s_count, np.int32)
-        seeds = np.zeros(s_count, np.int32)
-        temps = np.zeros(s_count, np.float32)
-        top_k = np.zeros(s_count, np.int32)
-        top_p = np.ones(s_count, np.float32)
+        d = _DecodeRows(
+            tokens=np.zeros(s_count, np.int32), budgets=np.zeros(s_count, np.int32),
+            seeds=np.zeros(s_count, np.int32), temps=np.zeros(s_count, np.float32),
+            top_k=np.zeros(s_count, np.int32), top_p=np.ones(s_count, np.float32))
         stops = [[] for _ in range(s_count)]
         for s, n in plan.decode:
             p = self.requests[s.request_id].params
             r = s.slot
-            tokens[r], budgets[r], seeds[r] = s.output_ids[-1], n, s.seed
-            temps[r], top_k[r], top_p[r] = p.temperature, p.filter_top_k, p.top_p
+            d.tokens[r], d.budgets[r], d.seeds[r] = s.output_ids[-1], n, s.seed
+            d.temps[r], d.top_k[r], d.top_p[r] = p.temperature, p.filter_top_k, p.top_p
             stops[r] = sorted(self._stop_ids(p))
-            new_blocks += cdiv(s.cached + n, cfg.block_size) - cdiv(s.cached, cfg.block_size)
+            d.new_blocks += cdiv(s.cached + n, cfg.block_size) - cdiv(s.cached, cfg.block_size)
         width = pow2_at_least(max(map(len, stops)), 1, 1 << 30)
-        stop_ids = np.full((s_count, width), -1, np.int32)
+        d.stop_ids = np.full((s_count, width), -1, np.int32)
         for r, ids in enumerate(stops):
-            stop_ids[r, : len(ids)] = ids
-        sampled = bool(temps.any())
-        filtered = sampled and bool((top_k > 0).any() or (top_p < 1).any())
+            d.stop_ids[r, : len(ids)] = ids
+        d.sampled = bool(d.temps.any())
+        d.filtered = d.sampled and bool((d.top_k > 0).any() or (d.top_p < 1).any())
+        return d
+
+    def _run_decode(self, plan: Plan, touched) -> None:
+        d = self._decode_rows(plan)
+        free_before = int(self.state.num_free)
         rows = self.decode_rows_for(max(s.slot for s, _ in plan.decode))
         start = time.perf_counter()
         toks, _, self.kv, self.state, status = self.steps.decode_steps(
-            self.params, self.kv, self.state, tokens, None,
-            temps if sampled else 0.0, top_k=top_k if filtered else 0,
-            top_p=top_p if filtered else 1.0, num_steps=plan.decode_steps,
-            impl=self.impl, budgets=budgets, stop_ids=stop_ids,
-            seeds=seeds if sampled else None, rows=rows)
+            self.params, self.kv, self.state, d.tokens, None,
+            d.temps if d.sampled else 0.0, top_k=d.top_k if d.filtered else 0,
+            top_p=d.top_p if d.filtered else 1.0, num_steps=plan.decode_steps,
+            impl=self.impl, budgets=d.budgets, stop_ids=d.stop_ids,
+            seeds=d.seeds if d.sampled else None, rows=rows)
         toks = np.asarray(jax.device_get(toks))  # [K, S], the host round trip
-        shape = (rows, plan.decode_steps, sampled, filtered, width)
+        shape = (rows, plan.decode_steps, d.sampled, d.filtered, d.stop_ids.shape[1])
         if shape in self._dispatched:
             self._step_seconds[rows] = (time.perf_counter() - start) / plan.decode_steps
         self._dispatched.add(shape)
         status.raise_if_failed()
         # Blocks taken beyond the new ones were copies on write (a first write after a fork).
-        self._cow_copies += free_before - int(self.state.num_free) - new_blocks
+        self._decoded(plan, toks, free_before - int(self.state.num_free) - d.new_blocks,
+                      touched)
+
+    def _decoded(self, plan: Plan, toks, copies: int, touched) -> None:
+        """After ``plan``'s decode: ``copies`` copies on write counted, each row's tokens (its
+        slot's column of ``toks`` [K, S], -1 past its stop) emitted."""
+        self._cow_copies += copies
         for s, n in plan.decode:
             column = toks[:n, s.slot]
             emitted = column[column >= 0].tolist()

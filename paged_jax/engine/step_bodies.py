@@ -29,7 +29,7 @@ from paged_jax.allocator import (
     copy_on_write,
     slot_mapping,
 )
-from paged_jax.allocator.status import combine, details
+from paged_jax.allocator.status import combine, concat, details
 from paged_jax.engine import sampling
 from paged_jax.kernels import strategies
 from paged_jax.kernels.reference import gather_pages
@@ -58,15 +58,11 @@ def _select(pred, on_true, on_false):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState, tokens,
-                 seq_ids, num_tokens, extend, *, all_logits: bool,
-                 bucket_tokens: int = strategies.CONTEXT_BUCKET_TOKENS, mesh=None):
-    """``prefill`` on checked inputs: tokens [B, T], seq_ids and num_tokens [B] int, extend
-    [B] bool. The attention reads the table's first ``strategies.context_widths(...,
-    bucket_tokens)`` columns that cover the longest row. Returns ``(logits, kv, state,
-    status)``."""
+def _prefill_claim(model, state: BlockState, tokens, seq_ids, num_tokens, extend, op: str):
+    """``prefill``'s bookkeeping on ``state``, not yet applied: ``(new state, (src, dst)
+    block copies, status, cached [B] tokens each row held before)``. The caller keeps the new
+    state, and makes the copies, only where the status (or one it is combined into) applied."""
     cfg = state.config
-    model, bits = _merge(graphdef, params)
     batch, width = tokens.shape
     ids = seq_ids.astype(jnp.int32)
     n = num_tokens.astype(jnp.int32)
@@ -81,7 +77,7 @@ def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState,
     st, s_append = append(st, jnp.where(extend, ids, -1), jnp.where(extend, n, 0))
     # Only the block holding the first new token can be shared and partly filled.
     cow_ids = jnp.where(extend & (cached % cfg.block_size != 0) & (n > 0), ids, -1)
-    st, (src, dst), s_cow = copy_on_write(st, cow_ids, cached)
+    st, copies, s_cow = copy_on_write(st, cow_ids, cached)
     # A real row must bring 1..T new tokens: more than `tokens` holds would leave cache
     # slots that nothing writes.
     bad_len = (ids != -1) & ((n < 1) | (n > width))
@@ -98,12 +94,23 @@ def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState,
                          cached + first_bad),
     })
     own = Status(code=own, ids=ids, value=value, limit=limit, at=at, requested=0,
-                 num_free=state.num_free, op="prefill")
-    status = combine(ids, state.num_free, "prefill", s_admit, s_append, s_cow, own=own)
-    ok = status.applied
-    state = _select(ok, st, state)
-    kv = copy_blocks(kv, jnp.where(ok, src, -1), dst)
+                 num_free=state.num_free, op=op)
+    status = combine(ids, state.num_free, op, s_admit, s_append, s_cow, own=own)
+    return st, copies, status, cached
 
+
+def _prefill_reader(model, state: BlockState, seq_ids, num_tokens, cached, ok, width: int,
+                    bucket_tokens: int):
+    """For rows of up to ``width`` new tokens after ``cached`` [B] ones, their blocks claimed
+    in ``state``: ``(positions [B, T], slots [B, T] (-1: nothing written), read)``, where
+    ``read(layer, q [B, T, Hq, D], kv) -> [B, T, Hq, D]`` attends each new token to its row's
+    tokens up to itself, once this layer's K/V are written. It reads the table's first
+    ``strategies.context_widths(..., bucket_tokens)`` columns that cover the longest row."""
+    cfg = state.config
+    ids = seq_ids.astype(jnp.int32)
+    n = num_tokens.astype(jnp.int32)
+    in_range = (ids >= 0) & (ids < cfg.max_seqs)
+    safe = jnp.where(in_range, ids, 0)
     positions = cached[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, T]
     live = ok & (jnp.arange(width)[None, :] < n[:, None])  # [B, T]
     slots = jnp.where(live, slot_mapping(state, ids, positions), -1)  # [B, T]
@@ -113,12 +120,9 @@ def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState,
     mask = (key_pos[None, None, :] <= positions[:, :, None]) & (
         key_pos[None, None, :] < kv_lens[:, None, None]
     )  # [B, T, S]
-
     widths = strategies.context_widths(tables.shape[1], cfg.block_size, bucket_tokens)
 
-    def attend(layer, q, k, v, kv):  # q [B, T, Hq, D]; k, v [B, T, Hkv, D]
-        kv = write(kv, layer, slots, k, v)
-
+    def read(layer, q, kv):
         def at_width(w):  # the table's first w blocks: [B, T, Hq, D]
             part = tables[:, :w]
             keys = kv.values(gather_pages(kv.k[layer], part)).swapaxes(1, 2)  # [B, S, Hkv, D]
@@ -126,13 +130,37 @@ def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState,
             return masked_attention(q, keys, values, mask[:, :, : w * cfg.block_size],
                                     per_kv_head=model.kv_head_attention)
 
-        return strategies.by_context_width(kv_lens, cfg.block_size, widths, at_width), kv
+        return strategies.by_context_width(kv_lens, cfg.block_size, widths, at_width)
+
+    return positions, slots, read
+
+
+def prefill_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState, tokens,
+                 seq_ids, num_tokens, extend, *, all_logits: bool,
+                 bucket_tokens: int = strategies.CONTEXT_BUCKET_TOKENS, mesh=None):
+    """``prefill`` on checked inputs: tokens [B, T], seq_ids and num_tokens [B] int, extend
+    [B] bool. The attention reads the table's first ``strategies.context_widths(...,
+    bucket_tokens)`` columns that cover the longest row. Returns ``(logits, kv, state,
+    status)``."""
+    model, bits = _merge(graphdef, params)
+    batch, width = tokens.shape
+    st, (src, dst), status, cached = _prefill_claim(model, state, tokens, seq_ids, num_tokens,
+                                                    extend, "prefill")
+    ok = status.applied
+    state = _select(ok, st, state)
+    kv = copy_blocks(kv, jnp.where(ok, src, -1), dst)
+    positions, slots, read = _prefill_reader(model, state, seq_ids, num_tokens, cached, ok,
+                                             width, bucket_tokens)
+
+    def attend(layer, q, k, v, kv):  # q [B, T, Hq, D]; k, v [B, T, Hkv, D]
+        kv = write(kv, layer, slots, k, v)
+        return read(layer, q, kv), kv
 
     h, kv = model.hidden(tokens.astype(jnp.int32), positions, kv, attend, bits)  # [B, T, E]
     if all_logits:
         logits = model.logits(h)  # [B, T, V]
     else:
-        last = jnp.maximum(n - 1, 0)
+        last = jnp.maximum(num_tokens.astype(jnp.int32) - 1, 0)
         logits = model.logits(h[jnp.arange(batch), last])  # [B, V]
     kv, state = constrain(kv, state, mesh)
     return logits, kv, state, status
@@ -260,6 +288,92 @@ def decode_step_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockSt
 def _first_rows(x, rows: int):
     """``x[:rows]`` for a per-row array; a scalar or None as it is."""
     return x if x is None or jnp.ndim(x) == 0 else x[:rows]
+
+
+def prefill_decode_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState, tokens,
+                        seq_ids, num_tokens, extend, decode_tokens, key, temperature,
+                        top_k=None, top_p=None, budgets=None, seeds=None, *, impl: str,
+                        interpret: bool, sample: bool, filtered: bool = False,
+                        rows: int | None = None,
+                        bucket_tokens: int = strategies.CONTEXT_BUCKET_TOKENS, mesh=None):
+    """``prefill_decode`` on checked inputs: ``prefill``'s rows (tokens [B, T], seq_ids and
+    num_tokens [B] int, extend [B] bool) and one ``decode_steps`` step (decode_tokens
+    [max_seqs] int, sampling and ``budgets``/``seeds`` as there) in one forward pass, so the
+    weights are read once for both. The B*T prefill positions and the max_seqs decode rows go
+    through the projections as one row of tokens; each part attends as its own step does.
+    The decoding rows are the active slots below ``rows`` (static; every slot without it)
+    with a budget above 0 (every active one without ``budgets``): the model computes decode
+    rows 0..rows-1 only, as ``decode_steps``' ``rows``. A slot in both parts is refused
+    (``DUPLICATE_SEQ``). All or nothing: the
+    status has the max_seqs decode entries, then the B prefill rows. Returns ``(emitted
+    [max_seqs] (-1 where a row did not decode), logits [B, V] of each prefill row's last
+    token, kv, state, status)``."""
+    cfg = state.config
+    model, bits = _merge(graphdef, params)
+    batch, width = tokens.shape
+    slots = cfg.max_seqs
+    op = "prefill_decode"
+    rows = slots if rows is None else rows
+    decode_tokens = decode_tokens.astype(jnp.int32)
+    mask = state.active & (jnp.arange(slots) < rows)
+    start = state.seq_lens  # [S]
+    st, (d_src, d_dst), s_decode = claim_feeding(state, decode_tokens, mask, 1,
+                                                 model.config.vocab_size, budgets, op=op)
+    decoding = mask if budgets is None else mask & (budgets > 0)  # [S]
+    st, (p_src, p_dst), s_prefill, cached = _prefill_claim(model, st, tokens, seq_ids,
+                                                           num_tokens, extend, op)
+    ids = seq_ids.astype(jnp.int32)
+    in_range = (ids >= 0) & (ids < slots)
+    both = in_range & decoding[jnp.where(in_range, ids, 0)]  # [B] rows in both parts
+    own = Status(code=jnp.where(both, jnp.int32(Code.DUPLICATE_SEQ), jnp.int32(Code.OK)),
+                 ids=ids, requested=0, num_free=state.num_free, op=op)
+    s_prefill = combine(ids, state.num_free, op, s_prefill, own=own)
+    status = concat(op, state.num_free, s_decode, s_prefill)
+    ok = status.applied
+    state = _select(ok, st, state)
+    src = jnp.where(ok, jnp.concatenate([d_src, p_src]), -1)
+    kv = copy_blocks(kv, src, jnp.concatenate([d_dst, p_dst]))
+
+    live = decoding & ok  # [S]
+    # From here on the decode part is over the first `rows` slots: the rows the model computes.
+    d_slots = slot_mapping(state, jnp.where(live, jnp.arange(slots, dtype=jnp.int32), -1),
+                           start)[:rows]  # [R]
+    start, live, tables = start[:rows], live[:rows], state.block_tables[:rows]
+    widths = strategies.xla_widths(kv, tables, impl, bucket_tokens)
+    decode_attention, extra = strategies.per_step(tables, start, impl=impl, interpret=interpret,
+                                                  mesh=mesh, widths=widths)
+    decode_attention = decode_attention(0, live)
+    positions, p_slots, read = _prefill_reader(model, state, seq_ids, num_tokens, cached, ok,
+                                               width, bucket_tokens)
+    all_slots = jnp.concatenate([d_slots, p_slots.reshape(-1)])  # [R + B*T]
+
+    def attend(layer, q, k, v, carry):  # q [1, R + B*T, Hq, D]; k, v [1, R + B*T, Hkv, D]
+        kv, extra = carry
+        kv = write(kv, layer, all_slots[None], k, v)
+        out, extra = decode_attention(layer, q[0, :rows], k[0, :rows], v[0, :rows], kv,
+                                      extra)  # [R, Hq, D]
+        chunk = read(layer, q[0, rows:].reshape(batch, width, *q.shape[2:]), kv)  # [B, T, ...]
+        return jnp.concatenate([out, chunk.reshape(batch * width, *q.shape[2:])])[None], (
+            kv, extra)
+
+    row = jnp.concatenate([decode_tokens[:rows], tokens.astype(jnp.int32).reshape(-1)])[None]
+    pos = jnp.concatenate([start, positions.reshape(-1)])[None]
+    h, (kv, _) = model.hidden(row, pos, (kv, extra), attend, bits)  # [1, R + B*T, E]
+    last = rows + jnp.arange(batch) * width + jnp.maximum(num_tokens.astype(jnp.int32) - 1, 0)
+    logits = model.logits(h[0, jnp.concatenate([jnp.arange(rows), last])])  # [R + B, V]
+    temperature, top_k, top_p, seeds = (
+        _first_rows(x, rows) for x in (temperature, top_k, top_p, seeds))
+    if sample:  # as decode_steps' one step draws
+        keys = (sampling.row_keys(seeds, start + 1) if seeds is not None
+                else jax.random.split(key, 1)[0])
+        nxt = (sampling.sample(logits[:rows], keys, temperature, top_k, top_p) if filtered
+               else sampling.sample(logits[:rows], keys, temperature))
+    else:
+        nxt = jnp.argmax(logits[:rows], axis=-1).astype(jnp.int32)
+    # Back to one entry per slot: the slots past `rows` emit -1.
+    emitted = jnp.pad(jnp.where(live, nxt, -1), (0, slots - rows), constant_values=-1)
+    kv, state = constrain(kv, state, mesh)
+    return emitted, logits[rows:], kv, state, status
 
 
 def decode_steps_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: BlockState, tokens,

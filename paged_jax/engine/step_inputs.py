@@ -159,3 +159,19 @@ def decode_steps_inputs(kv: KVCache, state: BlockState, tokens, key, temperature
     args = (tokens, key, temperature, top_k, top_p, budgets, stop_ids, seeds)
     return args, {"sample": sample, "filtered": filtered,
                   "rows": None if rows == slots else rows}
+
+
+def prefill_decode_inputs(kv: KVCache, state: BlockState, tokens, seq_ids, num_tokens, extend,
+                          decode_tokens, key, temperature, top_k, top_p, *, impl, budgets,
+                          seeds, rows=None, default_key=None):
+    """``prefill_decode``'s arguments, checked, as ``(args, static)``: the jitted body's
+    positional arrays after the state (``prefill_inputs``' four, then ``decode_tokens, key,
+    temperature, top_k, top_p, budgets, seeds`` as ``decode_steps_inputs`` makes them for one
+    step) and its static ``sample``, ``filtered`` and ``rows``."""
+    prefill_args = prefill_inputs(kv, state, tokens, seq_ids, num_tokens, extend)
+    args, static = decode_steps_inputs(kv, state, decode_tokens, key, temperature, top_k, top_p,
+                                       num_steps=1, impl=impl, budgets=budgets, stop_ids=None,
+                                       seeds=seeds, rows=rows, default_key=default_key)
+    decode_tokens, key, temperature, top_k, top_p, budgets, _, seeds = args
+    return (*prefill_args, decode_tokens, key, temperature, top_k, top_p, budgets, seeds), {
+        name: static[name] for name in ("sample", "filtered", "rows")}

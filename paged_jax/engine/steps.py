@@ -1,4 +1,5 @@
-"""The jitted serving steps: ``prefill``, ``decode_step`` and the K-step ``decode_steps``.
+"""The jitted serving steps: ``prefill``, ``prefill_packed``, ``prefill_decode``,
+``decode_step`` and the K-step ``decode_steps``.
 
 Each step takes the model as ``(graphdef, params)`` from ``nnx.split`` (the graph is static,
 the parameters are arguments, never constants in the HLO), the paged ``KVCache`` and the
@@ -39,12 +40,14 @@ from paged_jax.engine.step_bodies import (
     decode_steps_body,
     packed_prefill_body,
     prefill_body,
+    prefill_decode_body,
 )
 from paged_jax.engine.step_inputs import (
     check_cache,
     check_decode_tokens,
     decode_steps_inputs,
     packed_prefill_inputs,
+    prefill_decode_inputs,
     prefill_inputs,
     step_impl,
 )
@@ -60,8 +63,8 @@ from paged_jax.sharding import (
 )
 
 __all__ = ["CONTEXT_BUCKET_TOKENS", "DONATE", "HOIST_MAX_BYTES", "Steps", "check_cache",
-           "decode_step", "decode_steps", "pad_prompts", "prefill", "prefill_packed",
-           "serving_params", "step_impl"]
+           "decode_step", "decode_steps", "pad_prompts", "prefill", "prefill_decode",
+           "prefill_packed", "serving_params", "step_impl"]
 
 DONATE = ("kv", "state")
 
@@ -80,6 +83,7 @@ def _prefill_packed(graphdef, params, kv, state, tokens, seq_ids, num_tokens, *,
                                mesh=mesh)
 
 
+_PREFILL_DECODE_STATIC = ("impl", "interpret", "sample", "filtered", "rows")
 _DECODE_STEPS_STATIC = ("num_steps", "impl", "interpret", "return_logits", "sample", "filtered",
                         "rows", "hoist_max_bytes")
 
@@ -107,18 +111,19 @@ def pad_prompts(prompts, width: int | None = None) -> np.ndarray:
 
 
 class Steps:
-    """The jitted steps of one model graph, built once: ``prefill``, ``decode_step`` and
-    ``decode_steps`` as methods that take the module functions' arguments less the
-    ``graphdef``. The graph is closed over, never a static argument, so no call hashes it.
+    """The jitted steps of one model graph, built once: ``prefill``, ``prefill_packed``,
+    ``prefill_decode``, ``decode_step`` and ``decode_steps`` as methods that take the module
+    functions' arguments less the ``graphdef``. The graph is closed over, never a static
+    argument, so no call hashes it.
 
     ``hoist_max_bytes`` is ``decode_steps``' bound on the context the xla path gathers once
     per dispatch (0: always per step). ``context_bucket_tokens`` is the narrowest table the
     prefill's attention and the xla decode path read (``kernels.strategies.context_widths``:
     doubling up to ``max_blocks_per_seq``, the smallest that covers the longest row chosen
     in each step); 0 reads the whole table in every step. The jitted functions are public
-    (``prefill_jit``, ``prefill_packed_jit``, ``decode_step_jit``, ``decode_steps_jit``; the
-    bodies of ``step_bodies.py`` with the graph bound) so a caller can ``.lower()`` them on checked
-    inputs.
+    (``prefill_jit``, ``prefill_packed_jit``, ``prefill_decode_jit``, ``decode_step_jit``,
+    ``decode_steps_jit``; the bodies of ``step_bodies.py`` with the graph bound) so a caller
+    can ``.lower()`` them on checked inputs.
 
     ``mesh``: a ``jax.sharding.Mesh`` with a ``"tp"`` axis (``paged_jax.sharding``; any
     ``"dp"`` axis of size 1) to run tensor parallel: the params, cache and state must be
@@ -148,6 +153,9 @@ class Steps:
                                    static_argnames=("all_logits",), donate_argnames=DONATE)
         self.prefill_packed_jit = jax.jit(functools.partial(_prefill_packed, graphdef, mesh=mesh),
                                           donate_argnames=DONATE)
+        self.prefill_decode_jit = jax.jit(
+            functools.partial(prefill_decode_body, graphdef, mesh=mesh, **bucket),
+            static_argnames=_PREFILL_DECODE_STATIC, donate_argnames=DONATE)
         self.decode_step_jit = jax.jit(functools.partial(decode_step_body, graphdef, mesh=mesh,
                                                          **bucket),
                                        static_argnames=("impl", "interpret"),
@@ -185,6 +193,19 @@ class Steps:
         args = packed_prefill_inputs(kv, state, tokens, seq_ids, num_tokens)
         return self.prefill_packed_jit(params, kv, state, *args)
 
+    def prefill_decode(self, params, kv: KVCache, state: BlockState, tokens, seq_ids,
+                       num_tokens, extend, decode_tokens, key=None, temperature=0.0, *,
+                       top_k=0, top_p=1.0, impl: str = "auto", interpret: bool = False,
+                       budgets=None, seeds=None, rows: int | None = None):
+        """``prefill_decode(self.graphdef, ...)``."""
+        self._check_mesh(kv)
+        args, static = prefill_decode_inputs(
+            kv, state, tokens, seq_ids, num_tokens, extend, decode_tokens, key, temperature,
+            top_k, top_p, impl=impl, budgets=budgets, seeds=seeds, rows=rows,
+            default_key=self.default_key)
+        return self.prefill_decode_jit(params, kv, state, *args, impl=impl, interpret=interpret,
+                                       **static)
+
     def decode_step(self, params, kv: KVCache, state: BlockState, tokens, *, impl: str = "auto",
                     interpret: bool = False):
         """``decode_step(self.graphdef, ...)``."""
@@ -215,6 +236,9 @@ class Steps:
 _prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "all_logits"),
                        donate_argnames=DONATE)
 _prefill_packed_jit = jax.jit(_prefill_packed, static_argnames=("graphdef",),
+                              donate_argnames=DONATE)
+_prefill_decode_jit = jax.jit(prefill_decode_body,
+                              static_argnames=("graphdef", *_PREFILL_DECODE_STATIC),
                               donate_argnames=DONATE)
 _decode_step_jit = jax.jit(decode_step_body, static_argnames=("graphdef", "impl", "interpret"),
                            donate_argnames=DONATE)
@@ -293,6 +317,55 @@ def prefill_packed(
     """
     args = packed_prefill_inputs(kv, state, tokens, seq_ids, num_tokens)
     return _prefill_packed_jit(graphdef, params, kv, state, *args)
+
+
+def prefill_decode(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    kv: KVCache,  # donated
+    state: BlockState,  # donated
+    tokens: jax.Array,  # [B, T] int32, as prefill's
+    seq_ids: jax.Array,  # [B] int32, as prefill's
+    num_tokens: jax.Array,  # [B] int32, as prefill's
+    extend: jax.Array | None,  # [B] bool, as prefill's
+    decode_tokens: jax.Array,  # [max_seqs] int32, the token each decoding slot feeds
+    key: jax.Array | None = None,
+    temperature=0.0,
+    *,
+    top_k=0,
+    top_p=1.0,
+    impl: str = "auto",
+    interpret: bool = False,
+    budgets: jax.Array | None = None,  # [max_seqs] int32 in 0..1: 0 = the slot does not decode
+    seeds: jax.Array | None = None,  # [max_seqs] int32
+    rows: int | None = None,  # static: decode only slots 0..rows-1 (1..max_seqs)
+) -> tuple[jax.Array, jax.Array, KVCache, BlockState, Status]:
+    """A ``prefill`` and one ``decode_steps`` step in one dispatch.
+
+    A prefill dispatch reads every weight once, whatever its width, and so does a decode
+    step; while prompts are prefilled in chunks beside running sequences, the two run as one
+    forward pass here: the prefill rows' ``B * T`` positions and the ``max_seqs`` decode rows
+    go through the projections and the MLP as one row of tokens. The decode rows attend as
+    ``decode_steps`` does (the Pallas kernel or the xla path, ``impl``), the prefill rows as
+    ``prefill`` does. The decoding rows are the active slots whose ``budgets`` entry is 1
+    (every active slot without ``budgets``), among the first ``rows`` (the model computes
+    those only, as ``decode_steps``' ``rows``); the prefill rows are ``prefill``'s, and the
+    sampling arguments are ``decode_steps``'.
+
+    Refused as a whole (cache and state unchanged) for any reason either step refuses, and
+    when a slot is in both parts (``DUPLICATE_SEQ``). The status lists the ``max_seqs``
+    decode entries, then the ``B`` prefill rows.
+
+    Returns:
+      ``(emitted, logits, kv, state, status)``: emitted ``[max_seqs]`` int32, each decoding
+      row's new token (-1 for the others); logits ``[B, V]`` f32 at each prefill row's last
+      new token.
+    """
+    args, static = prefill_decode_inputs(kv, state, tokens, seq_ids, num_tokens, extend,
+                                         decode_tokens, key, temperature, top_k, top_p,
+                                         impl=impl, budgets=budgets, seeds=seeds, rows=rows)
+    return _prefill_decode_jit(graphdef, params, kv, state, *args, impl=impl,
+                               interpret=interpret, **static)
 
 
 def decode_step(

@@ -8,9 +8,11 @@ and a request then waits for a compilation (seconds for a real model on a CPU) i
 of serving. ``warm_up`` runs each shape once on padding rows, which change neither the cache
 nor the allocator's state.
 
-The shapes are ``buckets.prefill_shapes``'s and, where the engine packs the chunks that
-start a prompt (``pack_prefill``), ``buckets.packed_widths``'s. Decode is warmed for greedy
-requests with one stop id (EOS), at both of the engine's dispatch lengths
+The shapes are ``buckets.prefill_shapes``'s; where the engine packs the chunks that start a
+prompt (``pack_prefill``), ``buckets.packed_widths``'s; and where it runs a one-row chunk
+and a decode step in one dispatch (``decode_with_prefill``), each one-row width the chunk
+budget of an iteration that decodes allows, at every decode row count, greedy. Decode is
+warmed for greedy requests with one stop id (EOS), at both of the engine's dispatch lengths
 (``steps_per_dispatch`` and ``steps_while_prefilling``) and every row count
 (``LLMEngine.decode_rows_for``); sampled requests and longer stop lists compile on first use.
 """
@@ -19,7 +21,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged_jax.engine.buckets import packed_widths, prefill_shapes
+from paged_jax.engine.buckets import (
+    MIN_PREFILL_WIDTH,
+    packed_widths,
+    pow2_at_least,
+    prefill_shapes,
+)
 from paged_jax.engine.llm_engine import LLMEngine
 
 __all__ = ["packed_widths", "prefill_shapes", "warm_up"]
@@ -27,8 +34,8 @@ __all__ = ["packed_widths", "prefill_shapes", "warm_up"]
 
 def warm_up(engine: LLMEngine, progress: bool = True) -> int:
     """Compile ``engine``'s prefill shapes and its greedy decode dispatches; returns how many
-    prefill shapes (packed ones included) were run. Call it before the first request (it runs
-    on padding rows and leaves the engine as it was)."""
+    prefill shapes (packed ones and those beside a decode step included) were run. Call it
+    before the first request (it runs on padding rows and leaves the engine as it was)."""
     from tqdm import tqdm
 
     if engine.has_unfinished_requests():
@@ -48,13 +55,28 @@ def warm_up(engine: LLMEngine, progress: bool = True) -> int:
             engine.params, engine.kv, engine.state, np.zeros(width, np.int32),
             np.full(s, -1, np.int32), np.zeros(s, np.int32))
         status.raise_if_failed()
+    # A one-row prefill chunk beside a decode of one step runs as one prefill_decode dispatch
+    # (decode_with_prefill), of a width the chunk budget of an iteration that decodes allows.
+    widest = pow2_at_least(engine.scheduler.prefill_tokens_while_decoding, MIN_PREFILL_WIDTH,
+                           engine.max_num_batched_tokens)
+    row_counts = sorted({engine.decode_rows_for(slot) for slot in range(s)})
+    beside = ([(width, rows) for n, width in shapes if n == 1 and width <= widest
+               for rows in row_counts]
+              if engine.decode_with_prefill and engine.steps_while_prefilling == 1 else [])
+    for width, rows in tqdm(beside, desc="compiling prefill + decode shapes",
+                            disable=not progress):
+        _, _, engine.kv, engine.state, status = engine.steps.prefill_decode(
+            engine.params, engine.kv, engine.state, np.zeros((1, width), np.int32),
+            np.full(1, -1, np.int32), np.zeros(1, np.int32), np.zeros(1, bool),
+            np.zeros(s, np.int32), impl=engine.impl, budgets=np.zeros(s, np.int32), rows=rows)
+        status.raise_if_failed()
     decodes = [(k, rows) for k in sorted({engine.steps_while_prefilling,
                                           engine.steps_per_dispatch})
-               for rows in sorted({engine.decode_rows_for(slot) for slot in range(s)})]
+               for rows in row_counts]
     for k, rows in tqdm(decodes, desc="compiling decode dispatches", disable=not progress):
         _, _, engine.kv, engine.state, status = engine.steps.decode_steps(
             engine.params, engine.kv, engine.state, np.zeros(s, np.int32), None, 0.0, top_k=0,
             top_p=1.0, num_steps=k, impl=engine.impl, budgets=np.zeros(s, np.int32),
             stop_ids=np.full((s, 1), -1, np.int32), seeds=None, rows=rows)
         status.raise_if_failed()
-    return len(shapes) + len(widths)
+    return len(shapes) + len(widths) + len(beside)
