@@ -265,7 +265,8 @@ class LLMEngine:
         serve`` compares the two). Off by default: every (chunk width, decode rows) pair is
         one more executable to compile, each slower to compile than a prefill shape, and an
         XLA:CPU process that holds a few dozen of a real model's executables can run out of
-        memory mappings (``warm_up`` compiles them all).
+        memory mappings (``warm_up`` compiles them all; the README's server section says how
+        to raise the limit).
       bucket_decode_rows: run each decode dispatch on the slots up to the highest one
         decoding, rounded up to a power of two (``decode_rows_for``); False computes every slot
         in every step (``paged-jax bench serve`` compares the two).

@@ -299,13 +299,12 @@ def prefill_decode_body(graphdef: nnx.GraphDef, params, kv: KVCache, state: Bloc
     """``prefill_decode`` on checked inputs: ``prefill``'s rows (tokens [B, T], seq_ids and
     num_tokens [B] int, extend [B] bool) and one ``decode_steps`` step (decode_tokens
     [max_seqs] int, sampling and ``budgets``/``seeds`` as there) in one forward pass, so the
-    weights are read once for both. The B*T prefill positions and the max_seqs decode rows go
-    through the projections as one row of tokens; each part attends as its own step does.
-    The decoding rows are the active slots below ``rows`` (static; every slot without it)
-    with a budget above 0 (every active one without ``budgets``): the model computes decode
-    rows 0..rows-1 only, as ``decode_steps``' ``rows``. A slot in both parts is refused
-    (``DUPLICATE_SEQ``). All or nothing: the
-    status has the max_seqs decode entries, then the B prefill rows. Returns ``(emitted
+    weights are read once for both. The B*T prefill positions and the R = ``rows`` decode
+    rows (static; max_seqs without it) go through the projections as one row of tokens; each
+    part attends as its own step does. The decoding rows are the active slots below R with a
+    budget above 0 (every active one without ``budgets``), as ``decode_steps``' ``rows``. A
+    slot in both parts is refused (``DUPLICATE_SEQ``). All or nothing: the status has the
+    max_seqs decode entries, then the B prefill rows. Returns ``(emitted
     [max_seqs] (-1 where a row did not decode), logits [B, V] of each prefill row's last
     token, kv, state, status)``."""
     cfg = state.config
