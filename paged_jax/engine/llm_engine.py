@@ -162,6 +162,14 @@ class _DecodeRows:
     sampled: bool = False
     filtered: bool = False
 
+    def sampling(self) -> dict:
+        """The step's sampling keywords: greedy (no per-row arrays) where no row samples, and
+        no top-k/top-p arrays where no row filters, so each compiles its own lean body."""
+        return {"temperature": self.temps if self.sampled else 0.0,
+                "top_k": self.top_k if self.filtered else 0,
+                "top_p": self.top_p if self.filtered else 1.0,
+                "seeds": self.seeds if self.sampled else None}
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
@@ -728,9 +736,7 @@ class LLMEngine:
         free_before = int(self.state.num_free)
         emitted, logits, self.kv, self.state, status = self.steps.prefill_decode(
             self.params, self.kv, self.state, *self._prefill_rows(rows, width), d.tokens, None,
-            d.temps if d.sampled else 0.0, top_k=d.top_k if d.filtered else 0,
-            top_p=d.top_p if d.filtered else 1.0, impl=self.impl, budgets=d.budgets,
-            seeds=d.seeds if d.sampled else None, rows=decode_rows)
+            impl=self.impl, budgets=d.budgets, rows=decode_rows, **d.sampling())
         status.raise_if_failed()
         emitted = np.asarray(jax.device_get(emitted))[None]  # [1, S], as decode_steps' [K, S]
         # A continuing chunk fills its own last block and takes new ones: it copies none.
@@ -862,11 +868,8 @@ class LLMEngine:
         rows = self.decode_rows_for(max(s.slot for s, _ in plan.decode))
         start = time.perf_counter()
         toks, _, self.kv, self.state, status = self.steps.decode_steps(
-            self.params, self.kv, self.state, d.tokens, None,
-            d.temps if d.sampled else 0.0, top_k=d.top_k if d.filtered else 0,
-            top_p=d.top_p if d.filtered else 1.0, num_steps=plan.decode_steps,
-            impl=self.impl, budgets=d.budgets, stop_ids=d.stop_ids,
-            seeds=d.seeds if d.sampled else None, rows=rows)
+            self.params, self.kv, self.state, d.tokens, None, num_steps=plan.decode_steps,
+            impl=self.impl, budgets=d.budgets, stop_ids=d.stop_ids, rows=rows, **d.sampling())
         toks = np.asarray(jax.device_get(toks))  # [K, S], the host round trip
         shape = (rows, plan.decode_steps, d.sampled, d.filtered, d.stop_ids.shape[1])
         if shape in self._dispatched:
