@@ -21,7 +21,12 @@ from paged_jax.allocator.memory_blocks import (
     paged_strategy,
     physical_limit,
 )
-from paged_jax.allocator.memory_sharing import parallel_sampling_blocks, system_prompt_blocks
+from paged_jax.allocator.memory_sharing import (
+    parallel_sampling_blocks,
+    reduction,
+    reduction_bound,
+    system_prompt_blocks,
+)
 
 # The seed's scenario: 20 blocks of 16, prompts A 40, B 24 and C 50. Outputs 10, 4 and 6 make
 # the final lengths 50, 28 and 56.
@@ -178,6 +183,31 @@ def test_sharing_counts_closed_form():
     assert got.tolist() == expect
 
 
+def test_reduction_bound_by_hand_and_on_the_allocator():
+    # n = 4, prompt 20, 3 steps holding 20, 21 and 22 tokens per sample: 4 x 63 = 252 slots
+    # private; the prompt once (3 x 20) and four tails of 0, 1 and 2: 72 shared.
+    assert reduction_bound([(20, 3)], "parallel", n=4) == pytest.approx(100 * (1 - 72 / 252))
+    # System prompts of 40, 2 of them, own prompts 20 and 5 for 3 and 2 steps: private
+    # (60 + 3 + 3 * 40) + (10 + 1 + 2 * 40) = 274; shared 2 x 40 x 3 + 63 + 11 = 314.
+    assert reduction_bound([(20, 3), (5, 2)], "system", system_len=40, num_system=2) == \
+        pytest.approx(100 * (1 - 314 / 274))
+    # The bound is the allocator's own count with blocks of one token, and no block size
+    # saves more.
+    stream = random_stream(5, 10, 30)
+    for mix, run, kw in (("parallel", parallel_sampling_blocks, {"n": 3}),
+                         ("system", system_prompt_blocks, {"system_len": 20, "num_system": 3})):
+        at = {bs: reduction(run(stream, share=True, block_size=bs, **kw),
+                            run(stream, share=False, block_size=bs, **kw))
+              for bs in (1, 8)}
+        bound = reduction_bound(stream, mix, **kw)
+        assert bound == pytest.approx(at[1]["mean_reduction_percent"])
+        assert at[8]["mean_reduction_percent"] <= bound
+    with pytest.raises(ValueError, match="mix must be 'parallel' or 'system'. Got 'beam'"):
+        reduction_bound(stream, "beam")
+    with pytest.raises(ValueError, match="n must be a positive int. Got 0"):
+        reduction_bound(stream, "parallel", n=0)
+
+
 def test_bad_input_is_refused_by_name():
     with pytest.raises(ValueError, match="pool_slots 1000 is smaller than one request's"):
         replay(SEED_STREAM, ContiguousMax(1000, 2048), 5)
@@ -210,7 +240,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     for name in ("contiguous-max", "contiguous-exact", "paged-16", "physical-limit",
-                 "system-prompt", "n=4 sampling", "Goals:", "1.65%"):
+                 "system-prompt", "n=4 sampling", "Goals:", "1.65%", "at most"):
         assert name in text
     for png in ("utilization.png", "waste.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -22,6 +22,7 @@ from paged_jax.allocator.memory_blocks import paged_strategy, physical_limit
 from paged_jax.allocator.memory_sharing import (
     parallel_sampling_blocks,
     reduction,
+    reduction_bound,
     system_prompt_blocks,
 )
 
@@ -106,6 +107,9 @@ def run_sharing(args, stream) -> dict:
         f"n={args.n} sampling": lambda share, p: parallel_sampling_blocks(
             stream, share=share, n=args.n, progress=p),
     }
+    bounds = {"system-prompt": reduction_bound(stream, "system", system_len=args.system_len,
+                                               num_system=args.num_system),
+              f"n={args.n} sampling": reduction_bound(stream, "parallel", n=args.n)}
     steps = max(o for _, o in stream)
     out = {}
     for name, run in mixes.items():
@@ -114,6 +118,7 @@ def run_sharing(args, stream) -> dict:
             with _bar(args, steps, f"{name} {'shared' if share else 'private'}") as bar:
                 blocks[share] = run(share, bar.update)
         out[name] = reduction(blocks[True], blocks[False])
+        out[name]["mean_reduction_bound_percent"] = bounds[name]
     return out
 
 
@@ -145,8 +150,9 @@ def goals(replays, sharing) -> list[tuple[str, bool]]:
                     f"{GOAL_CONCURRENCY}x", ratio >= GOAL_CONCURRENCY))
     for name, red in sharing.items():
         cut = red["mean_reduction_percent"]
-        out.append((f"{name}: {cut:.1f}% fewer physical blocks (mean) >= {GOAL_SHARING}%",
-                    cut >= GOAL_SHARING))
+        out.append((f"{name}: {cut:.1f}% fewer physical blocks (mean) >= {GOAL_SHARING}% "
+                     f"(at most {red['mean_reduction_bound_percent']:.1f}% on this stream)",
+                     cut >= GOAL_SHARING))
     return out
 
 
@@ -211,12 +217,16 @@ def main(argv: list[str] | None = None, out=None) -> int:
           "tokens % = 100 - waste %; x c-max = relative to contiguous-max.", file=out)
     print(f"\nSharing (block 16, pool large enough that nothing waits; physical blocks over "
           f"steps 0..{max(outputs) - 1}):", file=out)
-    print(f"{'mix':<16}{'private mean':>13}{'shared mean':>12}{'fewer %':>8}"
+    print(f"{'mix':<16}{'private mean':>13}{'shared mean':>12}{'fewer %':>8}{'at most %':>10}"
           f"{'private peak':>13}{'shared peak':>12}{'fewer %':>8}", file=out)
     for name, r in sharing.items():
         print(f"{name:<16}{r['unshared_mean']:>13.0f}{r['shared_mean']:>12.0f}"
-              f"{r['mean_reduction_percent']:>8.1f}{r['unshared_peak']:>13}"
-              f"{r['shared_peak']:>12}{r['peak_reduction_percent']:>8.1f}", file=out)
+              f"{r['mean_reduction_percent']:>8.1f}{r['mean_reduction_bound_percent']:>10.1f}"
+              f"{r['unshared_peak']:>13}{r['shared_peak']:>12}"
+              f"{r['peak_reduction_percent']:>8.1f}", file=out)
+    print("at most % = the mean's reduction with sharing at token granularity (blocks of one "
+          "token: no partly filled block, no copy-on-write), the most any block size saves "
+          "on this stream.", file=out)
     print("\nTo set beside:", file=out)
     for line in SET_BESIDE:
         print(f"  {line}", file=out)

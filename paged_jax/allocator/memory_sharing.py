@@ -16,6 +16,10 @@ hold. The measure is the physical blocks in use (``num_blocks - num_free``) afte
   first token, ``copy_on_write`` gives each writer its own copy of the partly filled last
   block (the last writer keeps the original). Unshared: ``n`` independent copies of the
   prompt.
+
+``reduction_bound`` gives the most either mix can save on a stream: the same measure with
+sharing at token granularity (a block of one token, so no block is partly filled and no
+copy-on-write runs), in closed form.
 """
 
 from __future__ import annotations
@@ -172,3 +176,31 @@ def reduction(shared: np.ndarray, unshared: np.ndarray) -> dict[str, float]:
     out["mean_reduction_percent"] = 100.0 * (1 - out["shared_mean"] / out["unshared_mean"])
     out["peak_reduction_percent"] = 100.0 * (1 - out["shared_peak"] / out["unshared_peak"])
     return out
+
+
+def reduction_bound(stream, mix: str, *, n: int = 4, system_len: int = 512,
+                    num_system: int = 4) -> float:
+    """The % fewer token slots (mean over the same steps as the mixes above) that sharing
+    saves at token granularity: what ``mix`` (``"parallel"`` or ``"system"``) would save with
+    blocks of one token, the most any block size can save, since a block shares only whole
+    blocks and copies the one a writer shares. Request ``i`` holds ``prompt + t`` tokens after
+    step ``t`` for ``t < output_len``; with ``n`` samples the unshared run holds ``n`` such
+    copies and the shared one the prompt once and ``n`` tails of ``t``; with system prompts
+    the shared run holds each system prompt once for all ``max(output_len)`` steps."""
+    pairs = check_stream(stream)
+    p = np.array([a for a, _ in pairs], np.float64)
+    o = np.array([b for _, b in pairs], np.float64)
+    tails = o * (o - 1) / 2  # sum over t < o of t
+    if mix == "parallel":
+        n = check_positive("n", n)
+        private = float(np.sum(n * (p * o + tails)))
+        shared = float(np.sum(p * o + n * tails))
+    elif mix == "system":
+        system_len = check_positive("system_len", system_len)
+        num_system = check_positive("num_system", num_system)
+        own = float(np.sum(p * o + tails))
+        private = own + system_len * float(o.sum())
+        shared = own + num_system * system_len * float(o.max())
+    else:
+        raise ValueError(f"mix must be 'parallel' or 'system'. Got {mix!r}.")
+    return 100.0 * (1 - shared / private)
