@@ -502,13 +502,16 @@ def table(results: list[dict]) -> str:
         t, i = r["ttft_ms"], r["itl_ms"]
         itl = f"{i['p50']:.0f}/{i['p99']:.0f}" if i["p50"] is not None else "-"
         tpot = f"{r['tpot_ms']['p50']:.1f}" if r["tpot_ms"]["p50"] is not None else "-"
+        # None where paged_jax, the tokens' reference, did not run.
+        agree = r["greedy_agree_with_paged_jax"]
+        same = f"{agree:>5}/{r['completed']:<5}" if agree is not None else "-"
         rows.append(
             f"{r['rate']:>5g} {r['max_num_seqs']:>4} {r['system']:<24} {r['completed']:>4} "
             f"{r['request_throughput']:>6.2f} {r['output_throughput']:>9.1f} "
             f"{r['total_token_throughput']:>9.1f} | "
             f"{t['mean']:>6.0f}/{t['p50']:>5.0f}/{t['p90']:>5.0f}/{t['p99']:>5.0f} | "
             f"{tpot:>8} | {itl:>14} | {r['e2e_ms']['p50']:>10.0f} | {r['peak_concurrency']:>4} | "
-            f"{r['greedy_agree_with_paged_jax']:>5}/{r['completed']:<5}")
+            f"{same:>11}")
     return "\n".join(rows)
 
 
