@@ -1,18 +1,26 @@
 """``warm_up``: the prefill shapes it compiles are every shape the scheduler can dispatch
 (against a brute-force enumeration of what an iteration's chunks can be), and after it a
-serving run with requests arriving at random compiles nothing."""
+serving run with requests arriving at random compiles nothing; it warns before compiling
+more than the kernel's memory-mapping limit allows."""
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import sys
+import warnings
+
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from paged_jax.engine import warmup
 from paged_jax.engine.buckets import pow2_at_least
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.steps import Steps
-from paged_jax.engine.warmup import packed_widths, prefill_shapes, warm_up
+from paged_jax.engine.warmup import MappingWatch, mappings, packed_widths, prefill_shapes, warm_up
 from paged_jax.model import init_model
 from tests.compile_log import logged_compiles
 from tests.model_helpers import TINY
@@ -58,7 +66,63 @@ def test_prefill_shapes_are_every_shape_an_iteration_can_dispatch():
             assert set(prefill_shapes(max_seqs, budget, by_width)) == want, (max_seqs, budget)
 
 
-def test_after_warm_up_serving_compiles_nothing():
+class Readings:
+    """A fake ``mappings()``: the given readings in turn, counting the calls."""
+
+    def __init__(self, *readings):
+        self.readings, self.calls = list(readings), 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.readings.pop(0)
+
+
+def test_mapping_watch_projects_the_first_compilation():
+    # 5 compilations; the first adds 1,000 to 2,000 held: 2,000 + 4 x 1,000 = 6,000.
+    read = Readings((1000, 5000), (2000, 5000))
+    watch = MappingWatch(5, read=read)
+    with pytest.warns(RuntimeWarning, match=r"compiles 5 executables; the first added 1000 "
+                      r"memory mappings, so all of them would hold about 6000 against this "
+                      r"kernel's vm.max_map_count of 5000") as caught:
+        for _ in range(5):
+            with watch:
+                pass
+    assert len(caught) == 1 and read.calls == 2  # only the first one is read
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        watch = MappingWatch(5, read=Readings((1000, 6000), (2000, 6000)))
+        for _ in range(5):  # 6,000 fits a limit of 6,000
+            with watch:
+                pass
+        off = Readings()
+        watch = MappingWatch(5, enabled=False, read=off)  # another backend: nothing read
+        for _ in range(5):
+            with watch:
+                pass
+        assert off.calls == 0
+        read = Readings((1000, 10), (3000, 10))
+        with pytest.raises(RuntimeError, match="compile failed"):  # its error, no warning
+            with MappingWatch(5, read=read):
+                raise RuntimeError("compile failed")
+        assert read.calls == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_mappings_counts_new_mappings():
+    held, limit = mappings()
+    # Neighbours with different protections cannot merge into one mapping.
+    maps = [mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | (mmap.PROT_WRITE * (i % 2)))
+            for i in range(64)]
+    try:
+        now, same = mappings()
+    finally:
+        for m in maps:
+            m.close()
+    assert same == limit == int(open("/proc/sys/vm/max_map_count").read())
+    assert now - held >= 32
+
+
+def test_after_warm_up_serving_compiles_nothing(monkeypatch):
     model = init_model(TINY, seed=5)
     engine = LLMEngine(model, steps=Steps(nnx.split(model)[0]), block_size=16, num_blocks=96,
                        max_num_seqs=4, max_model_len=160, max_num_batched_tokens=64,
@@ -68,8 +132,15 @@ def test_after_warm_up_serving_compiles_nothing():
     assert one_row == [16, 32, 64]
     decode_rows = [1, 2, 4]  # ... of each row count (decode_rows_for: powers of two)
     assert sorted({engine.decode_rows_for(slot) for slot in range(4)}) == decode_rows
-    assert warm_up(engine, progress=False) == (len(shapes) + len(packed_widths(64))
-                                               + len(one_row) * len(decode_rows))
+    compiled = (len(shapes) + len(packed_widths(64)) + len(one_row) * len(decode_rows)
+                + len({1, 4}) * len(decode_rows))  # decode dispatches of 1 and 4 steps
+    # A limit the first compilation's mappings, times them all, would pass.
+    monkeypatch.setattr(warmup, "mappings", Readings((100, 1000), (400, 1000)))
+    with (pytest.warns(RuntimeWarning, match=f"compiles {compiled} executables; the first "
+                       f"added 300 .* about {400 + 300 * (compiled - 1)} against")
+          if jax.default_backend() == "cpu" else contextlib.nullcontext()):  # XLA:CPU's alone
+        assert warm_up(engine, progress=False) == (len(shapes) + len(packed_widths(64))
+                                                   + len(one_row) * len(decode_rows))
     engine.check()  # padding rows changed nothing
     assert int(engine.state.num_free) == 96 and not np.asarray(engine.state.ref_counts).any()
     rng = np.random.default_rng(0)
