@@ -169,7 +169,7 @@ def test_prefill_chunks_run_packed_or_one_dispatch_per_width_class(model, steps,
     assert [c for c in calls if c[0] != "decode"][-1] == ("prefill", (1, 16))
 
 
-def split_iteration_engine(model, steps, calls, deliver, join=True, while_decoding=None):
+def split_iteration_engine(model, steps, calls, deliver, join=True):
     """The engine and prompts r0..r4 (6, 30, 5, 9 and 7 tokens) of the tests below: prompts
     of 30, 5 and 9 tokens added together make a (2, 16) and a (1, 32) prefill dispatch
     (chunks by width class, not packed), and no decode runs in a prefill's dispatch. Its
@@ -178,7 +178,7 @@ def split_iteration_engine(model, steps, calls, deliver, join=True, while_decodi
                     num_blocks=64, max_num_batched_tokens=64, steps_per_dispatch=2,
                     max_dispatch_ms=None, first_tokens_first=False, debug=True,
                     deliver_each_prefill=deliver, join_decode=join, pack_prefill=False,
-                    decode_with_prefill=False, prefill_tokens_while_decoding=while_decoding)
+                    decode_with_prefill=False)
     spy_dispatches(eng, steps, calls)
     return eng, prompts_of([6, 30, 5, 9, 7], seed=14)
 
@@ -223,46 +223,6 @@ def test_each_prefill_dispatch_returns_its_first_tokens(model, steps, reference,
     assert "r0" not in outs
     assert [outs[f"r{i}"] for i in (1, 2, 3, 4)] == [reference(prompts[i], 6)
                                                     for i in (1, 2, 3, 4)]
-
-
-@pytest.mark.parametrize("deliver", [True, False])
-@pytest.mark.parametrize("while_decoding", [None, 16])
-def test_what_follows_a_first_token_keeps_to_the_budget_while_decoding(model, steps, reference,
-                                                                     deliver, while_decoding):
-    """r1 (30 tokens), r2 (5) and r3 (9) arrive together while nothing decodes: the plan has
-    a (2, 16) and a (1, 32) dispatch, the whole 64-token budget. After the first, r2 and r3
-    decode from then on, so with 16 tokens while rows decode r1's 30 tokens are left to the
-    next plan, which prefills 16 of them beside r2's and r3's decode; with the whole budget
-    (and ``deliver_each_prefill``) the next call runs r1's (1, 32) dispatch as planned. The
-    tokens are the dense reference's either way."""
-    calls = []
-    eng, prompts = split_iteration_engine(model, steps, calls, deliver,
-                                          while_decoding=while_decoding)
-    greedy = SamplingParams(temperature=0.0, max_tokens=6)
-    for i in (1, 2, 3):
-        eng.add_request(f"r{i}", prompts[i], greedy)
-
-    def step():
-        before = len(calls)
-        new = {o.request_id: len(o.outputs[0].token_ids) for o in eng.step()}
-        return new, calls[before:]
-
-    if while_decoding is None and not deliver:  # one call: the whole iteration
-        assert step() == ({"r1": 1, "r2": 1, "r3": 1},
-                          [("prefill", (2, 16)), ("prefill", (1, 32))])
-    else:
-        assert step() == ({"r2": 1, "r3": 1}, [("prefill", (2, 16))])
-        if while_decoding is None:
-            assert step() == ({"r1": 1}, [("prefill", (1, 32))])
-        else:
-            new, ran = step()
-            assert ran[0] == ("prefill", (1, 16)) and ("decode", 1) in ran, ran
-            assert new == {"r2": 2, "r3": 2}
-    eng.check()
-    outs = {}
-    while eng.has_unfinished_requests():
-        outs.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
-    assert [outs[f"r{i}"] for i in (1, 2, 3)] == [reference(prompts[i], 6) for i in (1, 2, 3)]
 
 
 @pytest.mark.parametrize("join", [True, False])

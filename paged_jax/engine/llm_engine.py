@@ -214,10 +214,7 @@ class LLMEngine:
       prefill_tokens_while_decoding: the chunk budget of an iteration that also decodes (at
         most ``max_num_batched_tokens``; None: the same). A decoding row's next token waits
         for the iteration's prefill, so this bounds the inter-token latency's tail; a long
-        prompt takes more iterations for it, each with a decode step. A prompt that finishes
-        in an iteration planned while no row decoded starts decoding there, so where more
-        than this budget of that iteration's prefill is left after its dispatch, the rest
-        is planned again next iteration, under this budget.
+        prompt takes more iterations for it, each with a decode step.
       join_decode: a prompt whose prefill finishes in an iteration with a decode dispatch
         decodes in it too, where the free blocks hold its steps, rather than waiting for the
         next iteration's (``scheduler``'s docstring, 5). False: only the rows planned.
@@ -541,16 +538,9 @@ class LLMEngine:
             if not rest.groups and self._decodes_with_prefill(rest.plan, rows, packed):
                 self._run_prefill_decode(rest.plan, rows, width, rest.now, touched)
                 mixed = True
-            elif self._prefill_group(rows, width, rest.now, touched, packed) and rest.groups:
-                # A prompt finished, so a row decodes from here on: the rest of an iteration
-                # planned while none did waits for the next plan where it is more than the
-                # budget of an iteration that decodes (its prompts stay admitted, as far as
-                # their earlier chunks went).
-                left = sum(n for _, group, _ in rest.groups for _, _, n in group)
-                if left > self.scheduler.prefill_tokens_while_decoding:
-                    rest.groups = []
-                elif self.deliver_each_prefill:
-                    break
+            elif self._prefill_group(rows, width, rest.now, touched, packed) and rest.groups \
+                    and self.deliver_each_prefill:
+                break
         decode = []
         if not rest.groups:
             self._rest = None
