@@ -13,20 +13,25 @@ from paged_jax.engine import bench_serve
 from paged_jax.engine.serve_metrics import Request
 
 
-def test_sweep_on_a_tiny_model(tiny_hf_dir, tmp_path):
+@pytest.mark.parametrize("systems, rates", [
+    (bench_serve.SYSTEMS, ("inf", "50")),
+    (("paged_jax", *bench_serve.ABLATIONS), ("inf",))], ids=["the servers", "the ablations"])
+def test_sweep_on_a_tiny_model(tiny_hf_dir, tmp_path, systems, rates):
+    """The benchmark as run by default (its three servers, at two rates), then paged_jax
+    beside each of its ablations; the first is the issue's "serve benchmark on the tiny
+    model" (pytest --durations reports its time)."""
     out = tmp_path / "out"
     argv = ["--model", str(tiny_hf_dir), "--dataset", "random", "--num-prompts", "6",
             "--random-input-len", "24", "--max-output-len", "5", "--max-num-seqs", "4",
-            "--request-rate", "inf", "50", "--max-num-batched-tokens", "32",
-            "--steps-per-dispatch", "2", "--out", str(out),
-            "--systems", *bench_serve.SYSTEMS, *bench_serve.ABLATIONS]
+            "--request-rate", *rates, "--max-num-batched-tokens", "32",
+            "--steps-per-dispatch", "2", "--out", str(out), "--systems", *systems]
     assert bench_serve.main(argv) == 0
     report = json.loads((out / "serve.json").read_text())
     assert (out / "serve.png").stat().st_size > 10_000
     results = report["results"]
     runs = {(r["rate"], r["max_num_seqs"], r["system"]) for r in results}
-    assert runs == {(rate, 4, s) for rate in ("inf", 50.0)
-                    for s in (*bench_serve.SYSTEMS, *bench_serve.ABLATIONS)}
+    assert runs == {(rate if rate == "inf" else float(rate), 4, s) for rate in rates
+                    for s in systems}
     for r in results:
         assert r["completed"] == 6
         assert r["output_tokens"] == 6 * 5  # EOS ignored: exactly max-output-len each
