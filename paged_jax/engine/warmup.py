@@ -88,7 +88,7 @@ class MappingWatch:
                 f"mappings, so all of them would hold about {need} against this kernel's "
                 f"vm.max_map_count of {limit}, and a compilation past it fails with \"Cannot "
                 f"allocate memory\". Raise the limit (sysctl -w vm.max_map_count=262144) or "
-                f"compile fewer shapes (fewer max_num_seqs, a smaller max_num_batched_tokens).",
+                f"compile fewer shapes (a smaller max_num_seqs or max_num_batched_tokens).",
                 RuntimeWarning, stacklevel=4)
 
 
