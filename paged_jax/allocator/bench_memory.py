@@ -100,25 +100,24 @@ def run_strategies(args, stream) -> list:
 
 
 def run_sharing(args, stream) -> dict:
+    # Per mix: its run (shared or not, with a progress callback) and reduction_bound's kind
+    # and settings.
+    system = {"system_len": args.system_len, "num_system": args.num_system}
     mixes = {
-        "system-prompt": lambda share, p: system_prompt_blocks(
-            stream, share=share, system_len=args.system_len, num_system=args.num_system,
-            progress=p),
-        f"n={args.n} sampling": lambda share, p: parallel_sampling_blocks(
-            stream, share=share, n=args.n, progress=p),
+        "system-prompt": (lambda share, p: system_prompt_blocks(
+            stream, share=share, progress=p, **system), "system", system),
+        f"n={args.n} sampling": (lambda share, p: parallel_sampling_blocks(
+            stream, share=share, n=args.n, progress=p), "parallel", {"n": args.n}),
     }
-    bounds = {"system-prompt": reduction_bound(stream, "system", system_len=args.system_len,
-                                               num_system=args.num_system),
-              f"n={args.n} sampling": reduction_bound(stream, "parallel", n=args.n)}
     steps = max(o for _, o in stream)
     out = {}
-    for name, run in mixes.items():
+    for name, (run, kind, settings) in mixes.items():
         blocks = {}
         for share in (False, True):
             with _bar(args, steps, f"{name} {'shared' if share else 'private'}") as bar:
                 blocks[share] = run(share, bar.update)
         out[name] = reduction(blocks[True], blocks[False])
-        out[name]["mean_reduction_bound_percent"] = bounds[name]
+        out[name]["mean_reduction_bound_percent"] = reduction_bound(stream, kind, **settings)
     return out
 
 
