@@ -517,6 +517,50 @@ def test_a_chunk_and_the_decode_step_beside_it_run_in_one_dispatch(model, steps,
     assert outs["sampled"] == want
 
 
+@pytest.mark.parametrize("one", [True, False])
+def test_one_prefill_chunk_makes_each_decoding_iteration_one_dispatch(model, steps, reference,
+                                                                      one):
+    """Prompts of 44 and 20 tokens, then one of 6, arrive while two requests decode, with
+    16-token chunks while rows decode and ``decode_with_prefill``. With ``one_prefill_chunk``
+    every iteration beside the decode rows is one ``prefill_decode`` dispatch: the first
+    chunks too (a packed dispatch of one row, while the others wait), and the last prompt's
+    (no first tokens first: its first token comes from that dispatch). Without it, the
+    44-token prompt's last 12 tokens and the 20-token one's first 4 share an iteration: two
+    dispatches (the new prompt's chunk packed, as a prompt is queued, then the other with
+    the decode step); and the last prompt's chunk runs alone (first tokens first). The
+    greedy tokens are the dense reference's either way."""
+    prompts = prompts_of([5, 7, 44, 20, 6], seed=23)
+    eng = LLMEngine(model, steps=steps, block_size=8, max_num_seqs=8, max_model_len=DENSE_LEN,
+                    num_blocks=64, max_num_batched_tokens=32, prefill_tokens_while_decoding=16,
+                    debug=True, decode_with_prefill=True, one_prefill_chunk=one)
+    calls = []
+    spy_dispatches(eng, steps, calls)
+    lengths = [24, 24, 12, 12, 12]  # r0 and r1 decode throughout the others' prefill
+    for i in (0, 1):
+        eng.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0.0,
+                                                            max_tokens=lengths[i]))
+    eng.step()  # both prefilled
+    eng.step()  # and decoding
+    for i in (2, 3, 4):
+        eng.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0.0,
+                                                            max_tokens=lengths[i]))
+    per_step = []
+    while not all(eng.requests[f"r{i}"].seqs[0].decoding for i in (2, 3, 4)):
+        before = len(calls)
+        assert not any(o.finished for o in eng.step())
+        per_step.append(calls[before:])
+    merged = [("prefill_decode", (1, 16))]
+    if one:  # r2: 16, 16, 12; r3: 16, 4; r4: 6
+        assert per_step == [merged] * 6, per_step
+    else:  # r2: 16, 16, 12 + r3's 4; r3: 16; r4: 6, alone
+        assert per_step == [merged] * 2 + [[("packed", (16,)), *merged]] + [
+            merged, [("prefill", (1, 16))]], per_step
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+    assert outs == {f"r{i}": reference(prompts[i], n) for i, n in enumerate(lengths)}
+
+
 def test_compilations_are_bounded_over_a_sharegpt_like_mix(model, steps):
     """Prompt lengths 1..1024 (log-uniform, as ShareGPT's): the prefill executables compiled
     (jax's own compile log) stay within the stated bound."""
@@ -769,7 +813,7 @@ def test_decode_dispatches_k_steps_only_where_k_steps_took_at_most_max_dispatch_
     assert token_ids(outs) == [[reference(p, n)] for p, n in zip(prompts, lengths, strict=True)]
     seen, timed, want = set(), set(), []
     for rows, _ in calls:  # a plain model of the choice
-        k = 3 if rows not in timed or budget_ms > 1 else 1
+        k = 3 if not any(r <= rows for r in timed) or budget_ms > 1 else 1
         want.append(k)
         if (rows, k) in seen:
             timed.add(rows)
@@ -778,6 +822,36 @@ def test_decode_dispatches_k_steps_only_where_k_steps_took_at_most_max_dispatch_
     assert len({rows for rows, _ in calls}) == 1 and want[:2] == [3, 3]  # slot 3 to the end
     if budget_ms < 1:
         assert want.count(1) >= 10, calls
+
+
+def test_a_row_count_not_timed_yet_takes_the_time_of_fewer_rows(model, steps, reference):
+    """r0 and r1 decode over 2 rows until such a dispatch is timed; then r2 and r3 join, over
+    4 rows, a count never timed. A step over more rows takes at least as long, so with a
+    budget every dispatch exceeds, each 4-row dispatch is one step from the first on (K = 3
+    until a 4-row one was timed, without that bound). The tokens are the dense reference's."""
+    llm = engine(model, steps, max_num_seqs=4, steps_per_dispatch=3, max_dispatch_ms=1e-9)
+    eng, calls = llm.engine, []
+    spy_decode_steps(eng, steps, calls)
+    prompts = prompts_of([4, 9, 6, 3], seed=8)
+    outs = {}
+
+    def step():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+
+    for i in (0, 1):
+        eng.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0.0, max_tokens=30))
+    while (2, 1) not in calls:  # the second (2, 3) dispatch was timed: one step from then on
+        step()
+    assert calls[:2] == [(2, 3), (2, 3)], calls
+    before = len(calls)
+    for i in (2, 3):
+        eng.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0.0, max_tokens=20))
+    while eng.has_unfinished_requests():
+        step()
+    wide = [k for rows, k in calls[before:] if rows == 4]
+    assert len(wide) >= 10 and set(wide) == {1}, calls[before:]
+    assert outs == {f"r{i}": reference(prompts[i], n)
+                    for i, n in enumerate([30, 30, 20, 20])}
 
 
 @pytest.mark.parametrize("first", [True, False])

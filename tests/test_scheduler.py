@@ -121,14 +121,15 @@ class Sim:
     def __init__(self, *, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                  steps_per_dispatch, steps_while_prefilling=None, policy="fcfs",
                  first_tokens_first=False, prefill_tokens_while_decoding=None,
-                 join_decode=False):
+                 join_decode=False, one_prefill_chunk=False):
         self.sched = Scheduler(max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
                                steps_per_dispatch=steps_per_dispatch, block_size=block_size,
                                steps_while_prefilling=steps_while_prefilling, policy=policy,
                                first_tokens_first=first_tokens_first,
                                prefill_tokens_while_decoding=prefill_tokens_while_decoding,
-                               join_decode=join_decode)
+                               join_decode=join_decode,
+                               one_prefill_chunk=one_prefill_chunk)
         self.budget_while_decoding = min(prefill_tokens_while_decoding or max_num_batched_tokens,
                                          max_num_batched_tokens)
         self.joined = self.join_refusals = 0
@@ -213,6 +214,9 @@ class Sim:
         decoders = [q for q in decoding_before if all(q is not v for v in victims)]
         budget = self.budget_while_decoding if decoders else s.max_num_batched_tokens
         assert sum(length for _, _, length in plan.prefill) <= budget
+        # (h) with one_prefill_chunk, one prompt's chunk at most.
+        if s.one_prefill_chunk:
+            assert len(plan.prefill) <= 1, plan.prefill
         # An iteration that prefills decodes steps_while_prefilling steps; one that neither
         # prefills nor preempts, K.
         if plan.prefill:
@@ -358,7 +362,7 @@ def test_random_workloads_under_pressure_all_complete(seed):
               max_num_batched_tokens=tokens, steps_per_dispatch=k,
               steps_while_prefilling=while_prefilling, policy=policy,
               prefill_tokens_while_decoding=rng.choice([None, 1, max(1, tokens // 2)]),
-              join_decode=seed % 2 == 0)
+              join_decode=seed % 2 == 0, one_prefill_chunk=seed % 4 < 2)
     sim.run(arrivals, limit=20_000)
     requests = {f"r{i}": r for i, r in enumerate(r for i in sorted(arrivals)
                                                    for r in arrivals[i])}
@@ -412,6 +416,31 @@ def test_a_smaller_chunk_budget_while_rows_decode():
         assert len(plan.decode) == 3
         chunks += [length for q, _, length in plan.prefill if q.request_id == long]
     assert chunks == [24] * 41 + [16]
+
+
+def test_one_prefill_chunk_an_iteration():
+    # Three 30-token prompts, 64 tokens an iteration (24 while rows decode). With one
+    # prefill chunk, r0's chunk is the first plan's only one though 34 tokens of its budget
+    # are left, and each plan after it, beside decode rows, holds one prompt's chunk: r1's
+    # (24, then 6), then r2's. Without it, the first plan fills its budget (30, 30, 4) and
+    # the rest of r2 takes two more.
+    chunks = {}
+    for one in (True, False):
+        sim = Sim(num_blocks=400, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+                  steps_per_dispatch=4, prefill_tokens_while_decoding=24,
+                  one_prefill_chunk=one)
+        for _ in range(3):
+            sim.add(30, 20)
+        plans = []
+        while sim.sched.has_work:
+            plans.append(sim.step())
+        assert_all_complete(sim, {f"r{i}": (30, 20, 1) for i in range(3)})
+        chunks[one] = [[(q.request_id, n) for q, _, n in p.prefill] for p in plans
+                       if p.prefill]
+    assert chunks[True] == [[("r0", 30)], [("r1", 24)], [("r1", 6)], [("r2", 24)],
+                            [("r2", 6)]], chunks
+    assert chunks[False] == [[("r0", 30), ("r1", 30), ("r2", 4)], [("r2", 24)],
+                             [("r2", 2)]], chunks
 
 
 def two_beside_a_decoder(sim: Sim) -> list[Plan]:

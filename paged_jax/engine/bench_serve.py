@@ -100,6 +100,10 @@ ABLATIONS = {
     "paged_jax_decode_with_prefill": (
         lambda a: {"decode_with_prefill": True},
         "the decode step apart vs in one dispatch with a one-row chunk"),
+    "paged_jax_one_dispatch": (
+        lambda a: {"decode_with_prefill": True, "one_prefill_chunk": True},
+        "the decode step apart vs one dispatch per decoding iteration (one prefill chunk an "
+        "iteration, run with the decode step)"),
     "paged_jax_k_while_prefilling": (
         lambda a: {"steps_while_prefilling": a.steps_per_dispatch},
         "decode steps_while_prefilling vs K throughout"),

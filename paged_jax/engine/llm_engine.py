@@ -237,7 +237,9 @@ class LLMEngine:
         prefill runs no decode dispatch (never two such iterations in a row; ``scheduler``'s
         docstring, 4), so ``step()`` returns the prompt's first token after its prefill
         alone; the other rows decode in the next iteration, with the new one. False: every
-        iteration decodes.
+        iteration decodes. Off where ``one_prefill_chunk`` and ``decode_with_prefill`` run
+        each chunk with its decode step (``steps_while_prefilling=1``): the prompt's first
+        token then comes from that one dispatch.
       deliver_each_prefill: an iteration's prefill dispatches (one per width class) run
         narrowest first, and ``step()`` returns after each one that finishes a prompt while
         more of the iteration is left: the prompt's first token comes back after its own
@@ -265,7 +267,7 @@ class LLMEngine:
         a longer one's prefill (``paged-jax bench serve`` compares the two). Chunks after
         cached tokens always go through ``prefill_by_width``.
       decode_with_prefill: where an iteration's last prefill dispatch is one row (a chunk after
-        cached tokens or the only new prompt, not packed) and its decode is one step (as
+        cached tokens, or a new prompt's) and its decode is one step (as
         ``steps_while_prefilling`` makes it), run both as one ``prefill_decode`` dispatch:
         one forward pass, which reads the weights once for both, and one host round trip.
         Its decode rows are ``decode_rows_for``'s, as a decode dispatch's. The chunk's
@@ -275,6 +277,14 @@ class LLMEngine:
         XLA:CPU process that holds a few dozen of a real model's executables can run out of
         memory mappings (``warm_up`` compiles them all; the README's server section says how
         to raise the limit).
+      one_prefill_chunk: each iteration prefills one prompt's chunk at most (``scheduler``'s
+        docstring, 6). With ``decode_with_prefill`` every iteration whose rows decode is then
+        one dispatch, so their next token waits for one chunk of at most
+        ``prefill_tokens_while_decoding`` tokens: the inter-token latency's tail (and the
+        iteration that finishes a prompt decodes too: ``first_tokens_first`` is off). Prompts
+        are then prefilled one after another, so where many arrive together the later ones'
+        first tokens come later (``paged-jax bench serve`` compares the two). Off by
+        default.
       bucket_decode_rows: run each decode dispatch on the slots up to the highest one
         decoding, rounded up to a power of two (``decode_rows_for``); False computes every slot
         in every step (``paged-jax bench serve`` compares the two).
@@ -299,7 +309,8 @@ class LLMEngine:
                  seed: int = 0, impl: str = "auto", kv_cache_bytes: int = DEFAULT_KV_BYTES,
                  debug: bool = False, steps: Steps | None = None,
                  prefill_by_width: bool = True, pack_prefill: bool = True,
-                 decode_with_prefill: bool = False, bucket_decode_rows: bool = True, mesh=None):
+                 decode_with_prefill: bool = False, one_prefill_chunk: bool = False,
+                 bucket_decode_rows: bool = True, mesh=None):
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_model_len", max_model_len),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -387,13 +398,18 @@ class LLMEngine:
         self._unhold = jax.jit(free_blocks, donate_argnums=0)
         self._invariants = jax.jit(check_invariants)
 
+        # Every iteration's chunk runs in one dispatch with its decode step: the chunk that
+        # finishes a prompt returns its first token from that dispatch, and deferring the
+        # decode rows (first tokens first) would make them wait for two dispatches.
+        merged = self.decode_with_prefill and one_prefill_chunk and steps_while_prefilling == 1
         self.scheduler = Scheduler(max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    steps_per_dispatch=steps_per_dispatch, block_size=block_size,
                                    steps_while_prefilling=steps_while_prefilling,
                                    policy=scheduling_policy,
-                                   first_tokens_first=bool(first_tokens_first),
+                                   first_tokens_first=bool(first_tokens_first) and not merged,
                                    prefill_tokens_while_decoding=prefill_tokens_while_decoding,
+                                   one_prefill_chunk=bool(one_prefill_chunk),
                                    join_decode=bool(join_decode))
         self.prefix_cache = PrefixCache(block_size)
         self.requests: dict[str, _Request] = {}
@@ -535,7 +551,7 @@ class LLMEngine:
         while rest.groups:
             width, rows, packed = rest.groups.pop(0)
             prefilled += sum(n for _, _, n in rows)
-            if not rest.groups and self._decodes_with_prefill(rest.plan, rows, packed):
+            if not rest.groups and self._decodes_with_prefill(rest.plan, rows):
                 self._run_prefill_decode(rest.plan, rows, width, rest.now, touched)
                 mixed = True
             elif self._prefill_group(rows, width, rest.now, touched, packed) and rest.groups \
@@ -714,11 +730,12 @@ class LLMEngine:
             self._first_tokens(logits, done, touched)
         return bool(done)
 
-    def _decodes_with_prefill(self, plan: Plan, rows, packed: bool) -> bool:
+    def _decodes_with_prefill(self, plan: Plan, rows) -> bool:
         """Whether the iteration's last prefill dispatch, ``rows``, runs with its decode in
-        one ``prefill_decode`` dispatch (``decode_with_prefill``): one row, not packed, beside a
-        decode dispatch of one step."""
-        return (self.decode_with_prefill and not packed and len(rows) == 1 and bool(plan.decode)
+        one ``prefill_decode`` dispatch (``decode_with_prefill``): one row beside a decode
+        dispatch of one step. A packed dispatch of one row is that row's chunk at the same
+        width."""
+        return (self.decode_with_prefill and len(rows) == 1 and bool(plan.decode)
                 and plan.decode_steps == 1)
 
     def _run_prefill_decode(self, plan: Plan, rows, width: int, now: float, touched) -> None:
@@ -819,12 +836,15 @@ class LLMEngine:
         """The decode dispatch length for this iteration when nothing is prefilled: K, or
         ``steps_while_prefilling`` where the last dispatch over as many rows as the running
         sequences need took longer than ``max_dispatch_ms`` per K steps (see ``__init__``).
-        K until a dispatch over that many rows has been timed."""
+        A step over more rows takes at least as long, so a row count not timed yet takes
+        the longest time of the fewer rows timed; K until one at most that many was timed."""
         k = self.steps_per_dispatch
         slots = [s.slot for s in self.scheduler.running if s.decoding]
         if self.max_dispatch_ms is None or not slots:
             return k
-        per_step = self._step_seconds.get(self.decode_rows_for(max(slots)))
+        rows = self.decode_rows_for(max(slots))
+        per_step = self._step_seconds.get(rows) or max(
+            (t for r, t in self._step_seconds.items() if r < rows), default=None)
         if per_step is None or per_step * k * 1e3 <= self.max_dispatch_ms:
             return k
         return self.steps_while_prefilling

@@ -45,6 +45,15 @@ Every ``LLMEngine.step`` asks ``Scheduler.schedule`` for one iteration's plan:
    out the completions of a request with ``n > 1``, which fork there). Otherwise its second
    token would wait for the rest of the iteration and all of the next one.
 
+6. **One prefill chunk** (``one_prefill_chunk``). Each iteration prefills one prompt's
+   chunk at most, and leaves the rest of its budget unused where that chunk finishes its
+   prompt. With the engine's ``decode_with_prefill``, every iteration whose rows decode is
+   then one dispatch: a decoding row's next token waits for one chunk of at most
+   ``prefill_tokens_while_decoding`` tokens, never for two chunks' dispatches, nor, after
+   its own first token, for another prompt's chunk of up to ``max_num_batched_tokens``
+   tokens. The cost: prompts are prefilled one after another, never two in one dispatch,
+   so where many arrive together the later ones' first tokens come later.
+
 The plan is separate prefill-chunk and decode dispatches in one iteration (not one ragged
 step that mixes them): the decode dispatch is the K-step scan, whose point is K tokens per
 host round trip, and a mixed step would be one token per trip.
@@ -181,7 +190,8 @@ class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, steps_per_dispatch: int,
                  block_size: int, steps_while_prefilling: int | None = None,
                  policy: str = "fcfs", first_tokens_first: bool = False,
-                 prefill_tokens_while_decoding: int | None = None, join_decode: bool = False):
+                 prefill_tokens_while_decoding: int | None = None, join_decode: bool = False,
+                 one_prefill_chunk: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}. Got {policy!r}.")
         self.policy = policy
@@ -197,6 +207,7 @@ class Scheduler:
         self.prefill_tokens_while_decoding = min(
             prefill_tokens_while_decoding or max_num_batched_tokens, max_num_batched_tokens)
         self.join_decode = join_decode
+        self.one_prefill_chunk = one_prefill_chunk
         self._deferred = False  # whether the previous plan deferred its decode rows
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # holding a slot, in admission order
@@ -315,8 +326,11 @@ class Scheduler:
 
         tokens = (self.prefill_tokens_while_decoding if decode
                   else self.max_num_batched_tokens)
+        def room() -> bool:  # whether the plan takes another chunk (module docstring, 6)
+            return tokens > 0 and not (self.one_prefill_chunk and plan.prefill)
+
         for seq in self.running:  # prompts already started continue first
-            if seq.decoding or tokens == 0:
+            if seq.decoding or not room():
                 continue
             length = min(len(seq.target) - seq.cached, tokens)
             cost = blocks.prefill_need(seq, seq.cached + length)
@@ -326,7 +340,7 @@ class Scheduler:
             tokens -= length
             free -= cost
         # No admissions in an iteration that preempted: the pool is what is short.
-        while self.waiting and tokens > 0 and not plan.preempt:
+        while self.waiting and room() and not plan.preempt:
             seq = self.waiting[0]
             if len(self.free_slots) < seq.fork:
                 break
