@@ -481,3 +481,33 @@ def test_serve_refuses_a_bad_prefill_budget_before_loading_anything():
     with pytest.raises(SystemExit, match=r"--prefill-tokens-while-decoding must be in \[0, "
                        r"--max-num-batched-tokens=512\] \(0: the same\), got 513"):
         server_cli.main(["--prefill-tokens-while-decoding", "513"])
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_serve_one_dispatch_turns_on_one_prefill_chunk_and_decode_with_prefill(monkeypatch,
+                                                                               flag):
+    """``--one-dispatch`` reaches the engine as both settings, and the engine made from
+    them merges the chunk with the decode step; without it both stay off."""
+    import uvicorn
+
+    from paged_jax.engine import llm as llm_module
+    from paged_jax.server import app as app_module
+    from paged_jax.server import cli as server_cli
+
+    made = []
+
+    class Made(llm_module.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.engine)
+
+    monkeypatch.setattr(llm_module, "LLM", Made)
+    monkeypatch.setattr(app_module, "build_app", lambda engine, config: None)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    argv = ["--model", "tiny", "--max-model-len", "64", "--kv-cache-mib", "4",
+            "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
+    assert server_cli.main(argv + ["--one-dispatch"] * flag) == 0
+    (engine,) = made
+    assert engine.decode_with_prefill is flag
+    assert engine.scheduler.one_prefill_chunk is flag
+    assert engine.scheduler.first_tokens_first is not flag

@@ -843,8 +843,9 @@ class LLMEngine:
         if self.max_dispatch_ms is None or not slots:
             return k
         rows = self.decode_rows_for(max(slots))
-        per_step = self._step_seconds.get(rows) or max(
-            (t for r, t in self._step_seconds.items() if r < rows), default=None)
+        per_step = self._step_seconds.get(rows)
+        if per_step is None:  # a step over more rows takes at least as long as over fewer
+            per_step = max((t for r, t in self._step_seconds.items() if r < rows), default=None)
         if per_step is None or per_step * k * 1e3 <= self.max_dispatch_ms:
             return k
         return self.steps_while_prefilling

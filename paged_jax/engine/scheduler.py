@@ -326,6 +326,7 @@ class Scheduler:
 
         tokens = (self.prefill_tokens_while_decoding if decode
                   else self.max_num_batched_tokens)
+
         def room() -> bool:  # whether the plan takes another chunk (module docstring, 6)
             return tokens > 0 and not (self.one_prefill_chunk and plan.prefill)
 

@@ -46,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the chunk budget of an iteration that also decodes, which bounds "
                    "the inter-token latency's tail (at most --max-num-batched-tokens); 0: "
                    "--max-num-batched-tokens")
+    p.add_argument("--one-dispatch", action="store_true",
+                   help="one dispatch per decoding iteration: at most one prompt's prefill "
+                   "chunk an iteration, run with the decode step (LLMEngine's "
+                   "one_prefill_chunk and decode_with_prefill). With a small "
+                   "--prefill-tokens-while-decoding it bounds the inter-token latency's "
+                   "tail; prompts that arrive together are prefilled one after another, "
+                   "and --warmup compiles a prefill_decode shape per chunk width and "
+                   "decode row count")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=256)
     p.add_argument("--steps-per-dispatch", type=int, default=8)
@@ -106,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
               steps_per_dispatch=args.steps_per_dispatch,
               steps_while_prefilling=args.steps_while_prefilling,
               max_dispatch_ms=max_dispatch_ms,
+              decode_with_prefill=args.one_dispatch, one_prefill_chunk=args.one_dispatch,
               scheduling_policy=args.scheduling_policy,
               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
               kv_cache_bytes=args.kv_cache_mib << 20)
