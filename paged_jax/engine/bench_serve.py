@@ -403,35 +403,23 @@ def pooled_latency(timings: list[Timing]) -> dict:
 
 
 def goals(results: list[dict], bounds: dict | None = None) -> list[str]:
-    """Lines saying, per rate and batch limit >= GOAL_MIN_SEQS, whether each goal is met;
-    ``bounds``, per rate, the most output tokens/s any server can reach there
-    (``serve_metrics.throughput_bound``), turned into the highest ratio reachable."""
+    """Lines saying, per rate and batch limit >= GOAL_MIN_SEQS, whether each goal is met:
+    paged_jax's line, with its ablations compared against it, then a line per ablation that
+    ran, its own figures against the goals; ``bounds``, per rate, the most output tokens/s
+    any server can reach there (``serve_metrics.throughput_bound``), turned into the highest
+    ratio reachable."""
     lines = []
     by = {(r["rate"], r["max_num_seqs"], r["system"]): r for r in results}
-    for (rate, m, system), r in sorted(by.items(), key=lambda x: (str(x[0][0]), x[0][1])):
+    engines = ["paged_jax", *ABLATIONS]
+    ours = sorted((key for key in by if key[2] in engines),
+                  key=lambda key: (str(key[0]), key[1], engines.index(key[2])))
+    for rate, m, system in ours:
+        r = by[rate, m, system]
+        checks = goal_checks(by, r, bounds)
         if system != "paged_jax":
+            lines.append(f"rate {rate:g}, max_num_seqs {m}, {system}: " + "; ".join(checks))
             continue
-        checks = []
-        if m >= GOAL_MIN_SEQS:
-            for peer, goal in (("generate_batch", GOAL_VS_BATCH), ("generate", GOAL_VS_STATIC)):
-                if (rate, m, peer) in by:
-                    theirs = by[rate, m, peer]["output_throughput"]
-                    x = r["output_throughput"] / theirs
-                    reach = ("" if bounds is None or rate not in bounds
-                             else f"; at most {bounds[rate] / theirs:.2f}x on this machine")
-                    checks.append(f"throughput {x:.2f}x {peer} (goal >= {goal}x: "
-                                  f"{'met' if x >= goal else 'not met'}{reach})")
-        peers = [by[rate, m, p]["ttft_ms"]["p50"] for p in ("generate_batch", "generate")
-                 if (rate, m, p) in by]
-        if peers:
-            ok = r["ttft_ms"]["p50"] <= min(peers)
-            checks.append(f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms vs transformers' best "
-                          f"{min(peers):.0f} ms ({'met' if ok else 'not met'})")
         itl = r["itl_ms"]
-        if itl["p50"]:
-            x = itl["p99"] / itl["p50"]
-            checks.append(f"ITL p99/p50 {x:.2f} (goal <= {GOAL_ITL}: "
-                          f"{'met' if x <= GOAL_ITL else 'not met'})")
         for name, (_, label) in ABLATIONS.items():
             if (rate, m, name) in by:
                 base = by[rate, m, name]
@@ -446,6 +434,35 @@ def goals(results: list[dict], bounds: dict | None = None) -> list[str]:
         if (rate, m, HTTP) in by:
             lines.append(f"rate {rate:g}, max_num_seqs {m}: " + http_goal(r, by[rate, m, HTTP]))
     return lines
+
+
+def goal_checks(by: dict, r: dict, bounds: dict | None) -> list[str]:
+    """One engine's result ``r`` against the goals: output throughput against each peer in
+    ``by`` (``(rate, max_num_seqs, system)`` to result) at batch limits >= GOAL_MIN_SEQS,
+    TTFT p50 against transformers' best, ITL p99 over p50."""
+    rate, m = r["rate"], r["max_num_seqs"]
+    checks = []
+    if m >= GOAL_MIN_SEQS:
+        for peer, goal in (("generate_batch", GOAL_VS_BATCH), ("generate", GOAL_VS_STATIC)):
+            if (rate, m, peer) in by:
+                theirs = by[rate, m, peer]["output_throughput"]
+                x = r["output_throughput"] / theirs
+                reach = ("" if bounds is None or rate not in bounds
+                         else f"; at most {bounds[rate] / theirs:.2f}x on this machine")
+                checks.append(f"throughput {x:.2f}x {peer} (goal >= {goal}x: "
+                              f"{'met' if x >= goal else 'not met'}{reach})")
+    peers = [by[rate, m, p]["ttft_ms"]["p50"] for p in ("generate_batch", "generate")
+             if (rate, m, p) in by]
+    if peers:
+        ok = r["ttft_ms"]["p50"] <= min(peers)
+        checks.append(f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms vs transformers' best "
+                      f"{min(peers):.0f} ms ({'met' if ok else 'not met'})")
+    itl = r["itl_ms"]
+    if itl["p50"]:
+        x = itl["p99"] / itl["p50"]
+        checks.append(f"ITL p99/p50 {x:.2f} (goal <= {GOAL_ITL}: "
+                      f"{'met' if x <= GOAL_ITL else 'not met'})")
+    return checks
 
 
 def http_goal(paged: dict, http: dict) -> str:
