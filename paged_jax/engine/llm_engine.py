@@ -401,7 +401,7 @@ class LLMEngine:
         # Every iteration's chunk runs in one dispatch with its decode step: the chunk that
         # finishes a prompt returns its first token from that dispatch, and deferring the
         # decode rows (first tokens first) would make them wait for two dispatches.
-        merged = self.decode_with_prefill and one_prefill_chunk and steps_while_prefilling == 1
+        merged = self.merges_prefill_decode and one_prefill_chunk
         self.scheduler = Scheduler(max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    steps_per_dispatch=steps_per_dispatch, block_size=block_size,
@@ -729,6 +729,13 @@ class LLMEngine:
         if done:
             self._first_tokens(logits, done, touched)
         return bool(done)
+
+    @property
+    def merges_prefill_decode(self) -> bool:
+        """Whether a one-row prefill chunk and a decode step may run as one ``prefill_decode``
+        dispatch: ``decode_with_prefill``, with the one-step decode of an iteration that
+        prefills (``steps_while_prefilling=1``)."""
+        return self.decode_with_prefill and self.steps_while_prefilling == 1
 
     def _decodes_with_prefill(self, plan: Plan, rows) -> bool:
         """Whether the iteration's last prefill dispatch, ``rows``, runs with its decode in

@@ -111,7 +111,7 @@ def warm_up(engine: LLMEngine, progress: bool = True) -> int:
     row_counts = sorted({engine.decode_rows_for(slot) for slot in range(s)})
     beside = ([(width, rows) for n, width in shapes if n == 1 and width <= widest
                for rows in row_counts]
-              if engine.decode_with_prefill and engine.steps_while_prefilling == 1 else [])
+              if engine.merges_prefill_decode else [])
     decodes = [(k, rows) for k in sorted({engine.steps_while_prefilling,
                                           engine.steps_per_dispatch})
                for rows in row_counts]
