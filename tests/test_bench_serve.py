@@ -11,6 +11,8 @@ import torch
 
 from paged_jax.engine import bench_serve
 from paged_jax.engine.serve_metrics import Request
+from paged_jax.model.llama import init_model
+from tests.model_helpers import TINY
 
 
 @pytest.mark.parametrize("systems, rates", [
@@ -158,6 +160,25 @@ def test_goals_by_hand():
         "rate inf, max_num_seqs 16, paged_jax_one_dispatch: throughput 1.11x generate_batch "
         "(goal >= 5.0x: not met); TTFT p50 480 ms vs transformers' best 480 ms (met); ITL "
         "p99/p50 2.40 (goal <= 3.0: met)"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "shortest_first"])
+def test_scheduling_policy_reaches_paged_jax_and_its_ablations(monkeypatch, policy):
+    """``--scheduling-policy`` is the admission order of paged_jax's engine and of each
+    ablation's but ``paged_jax_shortest_first``'s, which admits shortest first either way;
+    an ablation's own settings stay as they are beside it."""
+    monkeypatch.setattr(bench_serve, "warm_up", lambda engine, progress: None)
+    args = bench_serve.build_parser().parse_args(["--scheduling-policy", policy,
+                                                  "--kv-cache-mib", "1"])
+    model = init_model(TINY)
+    paged = bench_serve.PagedServer(model, args, 64)
+    assert paged.engine(4).scheduler.policy == policy
+    for name, (overrides, _) in bench_serve.ABLATIONS.items():
+        engine = bench_serve.PagedServer(model, args, 64, overrides(args), paged.steps).engine(4)
+        want = "shortest_first" if name == "paged_jax_shortest_first" else policy
+        assert engine.scheduler.policy == want, name
+        if name == "paged_jax_one_dispatch":
+            assert engine.decode_with_prefill and engine.scheduler.one_prefill_chunk
 
 
 def test_bad_arguments():

@@ -521,8 +521,10 @@ def test_a_chunk_and_the_decode_step_beside_it_run_in_one_dispatch(model, steps,
 def test_one_prefill_chunk_makes_each_decoding_iteration_one_dispatch(model, steps, reference,
                                                                       one):
     """Prompts of 44 and 20 tokens, then one of 6, arrive while two requests decode, with
-    16-token chunks while rows decode and ``decode_with_prefill``. With ``one_prefill_chunk``
-    every iteration beside the decode rows is one ``prefill_decode`` dispatch: the first
+    16-token chunks while rows decode and ``decode_with_prefill``. The first two prompts,
+    added before any row decodes, are prefilled in one dispatch either way. With
+    ``one_prefill_chunk`` every iteration beside the decode rows is one ``prefill_decode``
+    dispatch: the first
     chunks too (a packed dispatch of one row, while the others wait), and the last prompt's
     (no first tokens first: its first token comes from that dispatch). Without it, the
     44-token prompt's last 12 tokens and the 20-token one's first 4 share an iteration: two
@@ -539,7 +541,8 @@ def test_one_prefill_chunk_makes_each_decoding_iteration_one_dispatch(model, ste
     for i in (0, 1):
         eng.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0.0,
                                                             max_tokens=lengths[i]))
-    eng.step()  # both prefilled
+    eng.step()  # both prefilled together: no row decodes yet
+    assert calls == [("prefill", (2, 16))], calls
     eng.step()  # and decoding
     for i in (2, 3, 4):
         eng.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0.0,

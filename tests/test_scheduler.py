@@ -214,8 +214,8 @@ class Sim:
         decoders = [q for q in decoding_before if all(q is not v for v in victims)]
         budget = self.budget_while_decoding if decoders else s.max_num_batched_tokens
         assert sum(length for _, _, length in plan.prefill) <= budget
-        # (h) with one_prefill_chunk, one prompt's chunk at most.
-        if s.one_prefill_chunk:
+        # (h) with one_prefill_chunk, one prompt's chunk at most where rows decode.
+        if s.one_prefill_chunk and decoders:
             assert len(plan.prefill) <= 1, plan.prefill
         # An iteration that prefills decodes steps_while_prefilling steps; one that neither
         # prefills nor preempts, K.
@@ -419,28 +419,27 @@ def test_a_smaller_chunk_budget_while_rows_decode():
 
 
 def test_one_prefill_chunk_an_iteration():
-    # Three 30-token prompts, 64 tokens an iteration (24 while rows decode). With one
-    # prefill chunk, r0's chunk is the first plan's only one though 34 tokens of its budget
-    # are left, and each plan after it, beside decode rows, holds one prompt's chunk: r1's
-    # (24, then 6), then r2's. Without it, the first plan fills its budget (30, 30, 4) and
-    # the rest of r2 takes two more.
+    # Prompts of 30, 30, 30 and 10 tokens, 64 tokens an iteration (24 while rows decode).
+    # The first plan has no decode rows, so it fills its budget either way (30, 30, 4).
+    # After it, with one prefill chunk, each plan beside decode rows holds one prompt's
+    # chunk: r2's 24, then its last 2 (the rest of the budget unused), then r3's 10.
+    # Without it, r2's last 2 and r3's 10 share a plan.
     chunks = {}
     for one in (True, False):
         sim = Sim(num_blocks=400, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
                   steps_per_dispatch=4, prefill_tokens_while_decoding=24,
                   one_prefill_chunk=one)
-        for _ in range(3):
-            sim.add(30, 20)
+        for n in (30, 30, 30, 10):
+            sim.add(n, 20)
         plans = []
         while sim.sched.has_work:
             plans.append(sim.step())
-        assert_all_complete(sim, {f"r{i}": (30, 20, 1) for i in range(3)})
+        assert_all_complete(sim, {f"r{i}": (n, 20, 1) for i, n in enumerate((30, 30, 30, 10))})
         chunks[one] = [[(q.request_id, n) for q, _, n in p.prefill] for p in plans
                        if p.prefill]
-    assert chunks[True] == [[("r0", 30)], [("r1", 24)], [("r1", 6)], [("r2", 24)],
-                            [("r2", 6)]], chunks
-    assert chunks[False] == [[("r0", 30), ("r1", 30), ("r2", 4)], [("r2", 24)],
-                             [("r2", 2)]], chunks
+    first = [("r0", 30), ("r1", 30), ("r2", 4)]
+    assert chunks[True] == [first, [("r2", 24)], [("r2", 2)], [("r3", 10)]], chunks
+    assert chunks[False] == [first, [("r2", 24)], [("r2", 2), ("r3", 10)]], chunks
 
 
 def two_beside_a_decoder(sim: Sim) -> list[Plan]:

@@ -17,8 +17,8 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
   finishes a prompt defers the decode rows to the next (``paged_jax_decode_every_iteration``
   does not); ``step()`` returns after each prefill dispatch that finishes a prompt
   (``paged_jax_whole_iteration`` runs the whole iteration in one call); requests are admitted
-  first come first served (``paged_jax_shortest_first`` admits the ones that arrived
-  together shortest prompt first). Each engine
+  by ``--scheduling-policy``, first come first served by default (``paged_jax_shortest_first``
+  admits the ones that arrived together shortest prompt first). Each engine
   first compiles every prefill shape it can dispatch (``engine.warmup.warm_up``); each
   configuration is then served once untimed, so that the timed passes run on compiled
   executables, and the prefix cache is emptied before each pass.
@@ -72,6 +72,7 @@ import numpy as np
 
 from paged_jax.engine.scheduler import (
     DEFAULT_MAX_DISPATCH_MS,
+    POLICIES,
     max_dispatch_ms_flag,
     prefill_budget_flag,
 )
@@ -103,7 +104,7 @@ ABLATIONS = {
     "paged_jax_one_dispatch": (
         lambda a: {"decode_with_prefill": True, "one_prefill_chunk": True},
         "the decode step apart vs one dispatch per decoding iteration (one prefill chunk an "
-        "iteration, run with the decode step)"),
+        "iteration with decode rows, run with the decode step)"),
     "paged_jax_k_while_prefilling": (
         lambda a: {"steps_while_prefilling": a.steps_per_dispatch},
         "decode steps_while_prefilling vs K throughout"),
@@ -161,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paged_jax decodes --steps-while-prefilling steps per dispatch "
                    "wherever K steps took longer than this (LLMEngine's max_dispatch_ms); 0: "
                    "K whenever nothing is prefilled")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES,
+                   help="paged_jax's admission order (LLMEngine's scheduling_policy), its "
+                   "ablations' too, except paged_jax_shortest_first's")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=512)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
@@ -265,6 +269,7 @@ class PagedServer:
                 max_model_len=self.max_len, max_num_batched_tokens=a.max_num_batched_tokens,
                 steps_per_dispatch=a.steps_per_dispatch,
                 **{"steps_while_prefilling": a.steps_while_prefilling,
+                   "scheduling_policy": a.scheduling_policy,
                    "prefill_tokens_while_decoding": prefill_budget_flag(
                        a.prefill_tokens_while_decoding, a.max_num_batched_tokens),
                    "max_dispatch_ms": max_dispatch_ms_flag(a.max_dispatch_ms), **self.overrides},
@@ -652,7 +657,8 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
                       if args.prefill_tokens_while_decoding else "")
     print(f"limits: max_num_batched_tokens {args.max_num_batched_tokens}{while_decoding}, "
           f"pool {num_blocks} blocks of {bs} ({num_blocks * bs} token slots), paged_jax K="
-          f"{args.steps_per_dispatch}, max_model_len {max_len}", flush=True)
+          f"{args.steps_per_dispatch} ({args.scheduling_policy}), max_model_len {max_len}",
+          flush=True)
     warm = [Request(reqs[0][0][:8], 2)]  # first-call overhead of the transformers paths
     for name in ("generate_batch", "generate"):
         if name in servers:

@@ -45,14 +45,16 @@ Every ``LLMEngine.step`` asks ``Scheduler.schedule`` for one iteration's plan:
    out the completions of a request with ``n > 1``, which fork there). Otherwise its second
    token would wait for the rest of the iteration and all of the next one.
 
-6. **One prefill chunk** (``one_prefill_chunk``). Each iteration prefills one prompt's
-   chunk at most, and leaves the rest of its budget unused where that chunk finishes its
-   prompt. With the engine's ``decode_with_prefill``, every iteration whose rows decode is
-   then one dispatch: a decoding row's next token waits for one chunk of at most
-   ``prefill_tokens_while_decoding`` tokens, never for two chunks' dispatches, nor, after
-   its own first token, for another prompt's chunk of up to ``max_num_batched_tokens``
-   tokens. The cost: prompts are prefilled one after another, never two in one dispatch,
-   so where many arrive together the later ones' first tokens come later.
+6. **One prefill chunk** (``one_prefill_chunk``). Each iteration with decode rows prefills
+   one prompt's chunk at most, and leaves the rest of its budget unused where that chunk
+   finishes its prompt. With the engine's ``decode_with_prefill``, every iteration whose
+   rows decode is then one dispatch: a decoding row's next token waits for one chunk of at
+   most ``prefill_tokens_while_decoding`` tokens, never for two chunks' dispatches. An
+   iteration without decode rows has no token to hold back, so it takes its whole budget as
+   usual: prompts that arrive together at an idle engine are prefilled together (packed
+   into one dispatch where more are queued). The cost: while rows decode, prompts are
+   prefilled one after another, so where many arrive together the later ones' first tokens
+   come later.
 
 The plan is separate prefill-chunk and decode dispatches in one iteration (not one ragged
 step that mixes them): the decode dispatch is the K-step scan, whose point is K tokens per
@@ -328,7 +330,7 @@ class Scheduler:
                   else self.max_num_batched_tokens)
 
         def room() -> bool:  # whether the plan takes another chunk (module docstring, 6)
-            return tokens > 0 and not (self.one_prefill_chunk and plan.prefill)
+            return tokens > 0 and not (self.one_prefill_chunk and decode and plan.prefill)
 
         for seq in self.running:  # prompts already started continue first
             if seq.decoding or not room():

@@ -48,10 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--max-num-batched-tokens")
     p.add_argument("--one-dispatch", action="store_true",
                    help="one dispatch per decoding iteration: at most one prompt's prefill "
-                   "chunk an iteration, run with the decode step (LLMEngine's "
+                   "chunk an iteration with decode rows, run with the decode step (LLMEngine's "
                    "one_prefill_chunk and decode_with_prefill). With a small "
                    "--prefill-tokens-while-decoding it bounds the inter-token latency's "
-                   "tail; prompts that arrive together are prefilled one after another, "
+                   "tail; while rows decode, prompts are prefilled one after another, "
                    "and --warmup compiles a prefill_decode shape per chunk width and "
                    "decode row count")
     p.add_argument("--block-size", type=int, default=16)
