@@ -522,7 +522,8 @@ def test_one_prefill_chunk_makes_each_decoding_iteration_one_dispatch(model, ste
                                                                       one):
     """Prompts of 44 and 20 tokens, then one of 6, arrive while two requests decode, with
     16-token chunks while rows decode and ``decode_with_prefill``. The first two prompts,
-    added before any row decodes, are prefilled in one dispatch either way. With
+    added before any row decodes, are prefilled in one dispatch: packed with
+    ``one_prefill_chunk`` though none is queued, one row each without it. With
     ``one_prefill_chunk`` every iteration beside the decode rows is one ``prefill_decode``
     dispatch: the first
     chunks too (a packed dispatch of one row, while the others wait), and the last prompt's
@@ -542,7 +543,7 @@ def test_one_prefill_chunk_makes_each_decoding_iteration_one_dispatch(model, ste
         eng.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0.0,
                                                             max_tokens=lengths[i]))
     eng.step()  # both prefilled together: no row decodes yet
-    assert calls == [("prefill", (2, 16))], calls
+    assert calls == [("packed", (16,)) if one else ("prefill", (2, 16))], calls
     eng.step()  # and decoding
     for i in (2, 3, 4):
         eng.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0.0,

@@ -214,9 +214,10 @@ class Sim:
         decoders = [q for q in decoding_before if all(q is not v for v in victims)]
         budget = self.budget_while_decoding if decoders else s.max_num_batched_tokens
         assert sum(length for _, _, length in plan.prefill) <= budget
-        # (h) with one_prefill_chunk, one prompt's chunk at most where rows decode.
-        if s.one_prefill_chunk and decoders:
-            assert len(plan.prefill) <= 1, plan.prefill
+        # (h) with one_prefill_chunk, one prompt's chunk at most where rows decode; where
+        # none do, several only if each starts its prompt.
+        if s.one_prefill_chunk and len(plan.prefill) > 1:
+            assert not decoders and all(start == 0 for _, start, _ in plan.prefill), plan.prefill
         # An iteration that prefills decodes steps_while_prefilling steps; one that neither
         # prefills nor preempts, K.
         if plan.prefill:
@@ -440,6 +441,27 @@ def test_one_prefill_chunk_an_iteration():
     first = [("r0", 30), ("r1", 30), ("r2", 4)]
     assert chunks[True] == [first, [("r2", 24)], [("r2", 2)], [("r3", 10)]], chunks
     assert chunks[False] == [first, [("r2", 24)], [("r2", 2), ("r3", 10)]], chunks
+
+
+def test_one_prefill_chunk_without_decode_rows_takes_first_chunks_only():
+    # r0 (100 tokens) alone, 64 tokens an iteration; r1 (10) arrives after the first plan.
+    # No row decodes in the second plan either. With one prefill chunk it holds r0's last
+    # 36 tokens alone (a continuing chunk and a first chunk would be two dispatches); r1
+    # follows. Without it, r1's 10 tokens share the plan.
+    chunks = {}
+    for one in (True, False):
+        sim = Sim(num_blocks=400, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+                  steps_per_dispatch=4, one_prefill_chunk=one)
+        sim.add(100, 5)
+        plans = [sim.step()]
+        sim.add(10, 5)
+        while sim.sched.has_work:
+            plans.append(sim.step())
+        assert_all_complete(sim, {"r0": (100, 5, 1), "r1": (10, 5, 1)})
+        chunks[one] = [[(q.request_id, start, n) for q, start, n in p.prefill] for p in plans
+                       if p.prefill]
+    assert chunks[True] == [[("r0", 0, 64)], [("r0", 64, 36)], [("r1", 0, 10)]], chunks
+    assert chunks[False] == [[("r0", 0, 64)], [("r0", 64, 36), ("r1", 0, 10)]], chunks
 
 
 def two_beside_a_decoder(sim: Sim) -> list[Plan]:

@@ -651,16 +651,20 @@ class LLMEngine:
 
     def _prefill_groups(self, plan: Plan) -> list[tuple[int, list, bool]]:
         """The plan's prefill chunks as ``(width, rows, packed)`` dispatches. With
-        ``pack_prefill`` and requests still queued after the plan, the chunks that start a
-        prompt (nothing cached before them) go first, in one ``prefill_packed`` dispatch of
-        ``width`` tokens in all. The others (after a prefix-cache hit or an earlier chunk),
-        and every chunk when none is queued, go through ``prefill``, which computes rows x
+        ``pack_prefill`` and requests still queued after the plan (or several chunks under
+        ``one_prefill_chunk``), the chunks that start a prompt (nothing cached before them)
+        go first, in one ``prefill_packed`` dispatch of ``width`` tokens in all. The others
+        (after a prefix-cache hit or an earlier chunk), and every chunk otherwise, go
+        through ``prefill``, which computes rows x
         width positions, padding included: one dispatch per width class, narrowest first, so
         that a short chunk is not padded to the longest one's width (every row extends its
         active slot) and its first token does not wait for the longer ones."""
         rows = plan.prefill
         groups = []
-        if self.pack_prefill and self.scheduler.waiting:
+        # Under one_prefill_chunk, several chunks are all first chunks (scheduler docstring,
+        # 6), packed so that the iteration is one dispatch.
+        if self.pack_prefill and (self.scheduler.waiting or (self.scheduler.one_prefill_chunk
+                                                             and len(rows) > 1)):
             fresh = [row for row in rows if row[1] == 0]
             rows = [row for row in rows if row[1] != 0]
             if fresh:

@@ -50,11 +50,13 @@ Every ``LLMEngine.step`` asks ``Scheduler.schedule`` for one iteration's plan:
    finishes its prompt. With the engine's ``decode_with_prefill``, every iteration whose
    rows decode is then one dispatch: a decoding row's next token waits for one chunk of at
    most ``prefill_tokens_while_decoding`` tokens, never for two chunks' dispatches. An
-   iteration without decode rows has no token to hold back, so it takes its whole budget as
-   usual: prompts that arrive together at an idle engine are prefilled together (packed
-   into one dispatch where more are queued). The cost: while rows decode, prompts are
-   prefilled one after another, so where many arrive together the later ones' first tokens
-   come later.
+   iteration without decode rows takes several chunks only where each starts its prompt
+   (nothing cached before it), up to its whole budget: prompts that arrive together at an
+   idle engine are prefilled together, in one dispatch (the engine packs them, with
+   ``pack_prefill``). Otherwise it takes one chunk too. So every iteration is one prefill
+   dispatch: a prompt whose first token comes from it never waits for another prompt's
+   chunk before its second. The cost: while rows decode, prompts are prefilled one after
+   another, so where many arrive together the later ones' first tokens come later.
 
 The plan is separate prefill-chunk and decode dispatches in one iteration (not one ragged
 step that mixes them): the decode dispatch is the K-step scan, whose point is K tokens per
@@ -329,11 +331,15 @@ class Scheduler:
         tokens = (self.prefill_tokens_while_decoding if decode
                   else self.max_num_batched_tokens)
 
-        def room() -> bool:  # whether the plan takes another chunk (module docstring, 6)
-            return tokens > 0 and not (self.one_prefill_chunk and decode and plan.prefill)
+        def room(start: int = 0) -> bool:
+            """Whether the plan takes another chunk, one from ``start`` (module docstring,
+            6: beside decode rows one chunk; without, chunks that start their prompts)."""
+            if tokens <= 0 or not (self.one_prefill_chunk and plan.prefill):
+                return tokens > 0
+            return not decode and start == 0 and all(st == 0 for _, st, _ in plan.prefill)
 
         for seq in self.running:  # prompts already started continue first
-            if seq.decoding or not room():
+            if seq.decoding or not room(seq.cached):
                 continue
             length = min(len(seq.target) - seq.cached, tokens)
             cost = blocks.prefill_need(seq, seq.cached + length)
@@ -350,7 +356,7 @@ class Scheduler:
             seq.cached = blocks.lookup(seq)
             # The whole prompt, plus one copy per extra completion of its last block.
             whole = blocks.prefill_need(seq, len(seq.target)) + (seq.fork - 1)
-            if whole > free:
+            if whole > free or not room(seq.cached):
                 seq.cached = 0
                 break
             start = seq.cached  # a prefix-cache hit, set by the lookup
