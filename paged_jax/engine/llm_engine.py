@@ -281,10 +281,12 @@ class LLMEngine:
         most (``scheduler``'s docstring, 6). With ``decode_with_prefill`` every iteration
         whose rows decode is then one dispatch, so their next token waits for one chunk of at
         most ``prefill_tokens_while_decoding`` tokens: the inter-token latency's tail (and the
-        iteration that finishes a prompt decodes too: ``first_tokens_first`` is off). While
-        rows decode, prompts are then prefilled one after another, so where many arrive
-        together the later ones' first tokens come later (``paged-jax bench serve`` compares
-        the two). Off by default.
+        iteration that finishes a prompt decodes too: ``first_tokens_first`` is off). An
+        iteration without decode rows takes several chunks only where each starts its
+        prompt, packed into one dispatch (with ``pack_prefill``). While rows decode, prompts
+        are then prefilled one after another, so where many arrive together the later ones'
+        first tokens come later (``paged-jax bench serve`` compares the two). Off by
+        default.
       bucket_decode_rows: run each decode dispatch on the slots up to the highest one
         decoding, rounded up to a power of two (``decode_rows_for``); False computes every slot
         in every step (``paged-jax bench serve`` compares the two).

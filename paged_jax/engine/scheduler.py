@@ -334,8 +334,10 @@ class Scheduler:
         def room(start: int = 0) -> bool:
             """Whether the plan takes another chunk, one from ``start`` (module docstring,
             6: beside decode rows one chunk; without, chunks that start their prompts)."""
-            if tokens <= 0 or not (self.one_prefill_chunk and plan.prefill):
-                return tokens > 0
+            if tokens <= 0:
+                return False
+            if not (self.one_prefill_chunk and plan.prefill):
+                return True
             return not decode and start == 0 and all(st == 0 for _, st, _ in plan.prefill)
 
         for seq in self.running:  # prompts already started continue first
