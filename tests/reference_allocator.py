@@ -160,6 +160,30 @@ class ModelAllocator:
                     self.lens[d] = min(k * self.bs, self.lens[s])
         return codes
 
+    def move(self, srcs, dsts):
+        """move_slots: dst takes src's table and length; a source nobody moves into empties."""
+        codes = self._seq_codes(dsts)
+        src_codes = self._seq_codes(srcs)
+        codes = [c if c != OK else sc for c, sc in zip(codes, src_codes, strict=True)]
+        for i, (s, d) in enumerate(zip(srcs, dsts, strict=True)):
+            if codes[i] == OK and (s == -1) != (d == -1):
+                codes[i] = BAD_SEQ_ID
+        leaving = {s for i, s in enumerate(srcs) if codes[i] == OK and s != -1}
+        for i, (s, d) in enumerate(zip(srcs, dsts, strict=True)):
+            if codes[i] != OK or s == -1:
+                continue
+            if s not in self.tables:
+                codes[i] = SEQ_INACTIVE
+            elif d in self.tables and d not in leaving:
+                codes[i] = SEQ_ACTIVE
+        codes, ok = self._finish(codes)
+        if ok:
+            rows = {s: (self.tables.pop(s), self.lens.pop(s)) for s in srcs if s != -1}
+            for s, d in zip(srcs, dsts, strict=True):
+                if s != -1:
+                    self.tables[d], self.lens[d] = rows[s]
+        return codes
+
     def copy_on_write(self, ids, positions):
         codes = self._seq_codes(ids)
         targets = []

@@ -156,6 +156,31 @@ class OpsTest(chex.TestCase):
         assert_invariants_hold(new)
 
     @chex.variants(with_jit=True, without_jit=True)
+    def test_move_slots_into_free_slots_swaps_and_cycles(self):
+        state, model = fresh()
+        state = self.run_admit(state, model, [0, 1, 2, 3], [40, 24, 50, 1])
+        move = self.variant(pj.move_slots)
+        refs, free = np.asarray(state.ref_counts), pj.free_list_order(state)
+        # 3 into a free slot, 0 and 1 swapped, 2 -> 6: slot 2 and 3 are left empty.
+        new, st = move(state, arr([3, 0, 1, 2]), arr([5, 1, 0, 6]))
+        assert np.asarray(st.code).tolist() == model.move([3, 0, 1, 2], [5, 1, 0, 6])
+        assert bool(st.applied)
+        assert_matches_model(new, model)
+        assert_invariants_hold(new)
+        assert pj.blocks_of(new, 1) == [0, 1, 2] and pj.blocks_of(new, 0) == [3, 4]
+        assert pj.blocks_of(new, 6) == [5, 6, 7, 8] and pj.blocks_of(new, 5) == [9]
+        assert np.asarray(new.active).tolist() == [1, 1, 0, 0, 0, 1, 1, 0]
+        assert np.asarray(new.seq_lens)[[0, 1, 5, 6]].tolist() == [24, 40, 1, 50]
+        # A slot is a row of the tables: no block, reference or free-list entry moves.
+        assert np.asarray(new.ref_counts).tolist() == refs.tolist()
+        assert pj.free_list_order(new) == free
+        # A three-way cycle, with padding.
+        new, st = move(new, arr([0, 1, 5, -1]), arr([1, 5, 0, -1]))
+        assert np.asarray(st.code).tolist() == model.move([0, 1, 5, -1], [1, 5, 0, -1])
+        assert_matches_model(new, model)
+        assert_invariants_hold(new)
+
+    @chex.variants(with_jit=True, without_jit=True)
     def test_copy_on_write_copies_only_shared_blocks(self):
         state, model = fresh()
         state = self.run_admit(state, model, [0], [40])
@@ -294,9 +319,15 @@ class FailureTest(chex.TestCase):
             (pj.release, ([0, 0], ), self.model.release([0, 0])),
             (pj.fork, ([0, 3], [0, 5]), self.model.share([0, 3], [0, 5])),
             (pj.fork, ([0, -1], [5, 6]), self.model.share([0, -1], [5, 6])),
+            (pj.move_slots, ([0], [1]), self.model.move([0], [1])),
+            (pj.move_slots, ([0, 4], [5, 6]), self.model.move([0, 4], [5, 6])),
+            (pj.move_slots, ([0, 1], [5, 5]), self.model.move([0, 1], [5, 5])),
+            (pj.move_slots, ([0, -1], [5, 6]), self.model.move([0, -1], [5, 6])),
+            (pj.move_slots, ([0, 0], [5, 6]), self.model.move([0, 0], [5, 6])),
         ]
         expected_kinds = [BAD_SEQ_ID, DUPLICATE_SEQ, SEQ_ACTIVE, BAD_LENGTH, SEQ_INACTIVE,
-                          BAD_LENGTH, SEQ_INACTIVE, DUPLICATE_SEQ, SEQ_ACTIVE, BAD_SEQ_ID]
+                          BAD_LENGTH, SEQ_INACTIVE, DUPLICATE_SEQ, SEQ_ACTIVE, BAD_SEQ_ID,
+                          SEQ_ACTIVE, SEQ_INACTIVE, DUPLICATE_SEQ, BAD_SEQ_ID, DUPLICATE_SEQ]
         for (op, args, codes), kind in zip(cases, expected_kinds, strict=True):
             new, st = self.variant(op)(self.state, *map(arr, args))
             assert kind in codes, (op.__name__, args, codes)
@@ -358,6 +389,22 @@ def test_share_errors_blame_the_source():
         st.raise_if_failed()
 
 
+def test_move_slots_errors_name_the_slot_at_fault():
+    state, _ = fresh()
+    state, _ = pj.admit(state, arr([0, 1]), arr([20, 20]))
+    _, st = pj.move_slots(state, arr([0]), arr([1]))
+    with pytest.raises(ValueError, match=r"move_slots failed, state unchanged: seq 1 \(entry 0\) "
+                       r"is active and no entry moves it away; expected a free slot or another "
+                       r"entry's source"):
+        st.raise_if_failed()
+    _, st = pj.move_slots(state, arr([0, 3]), arr([5, 6]))
+    with pytest.raises(ValueError, match=r"seq 3 \(entry 1\) is not active"):
+        st.raise_if_failed()
+    with pytest.raises(ValueError, match=r"move_slots: source ids \(2,\) and destination "
+                       r"ids \(1,\) differ"):
+        pj.move_slots(state, arr([0, 1]), arr([2]))
+
+
 def test_status_check_under_checkify():
     from jax.experimental import checkify
 
@@ -411,7 +458,7 @@ def test_corrupted_states_are_caught_by_invariants():
 
 
 @pytest.mark.parametrize(
-    "op", ["admit", "append", "release", "fork", "copy_on_write", "reserve_steps"]
+    "op", ["admit", "append", "release", "fork", "copy_on_write", "reserve_steps", "move_slots"]
 )
 def test_ops_are_loop_free(op):
     """No while/scan/fori in the jaxpr: allocation is a prefix sum, not a per-block loop."""
@@ -424,6 +471,7 @@ def test_ops_are_loop_free(op):
         "fork": lambda s: pj.fork(s, ids, arr([2, 3])),
         "copy_on_write": lambda s: pj.copy_on_write(s, ids, n),
         "reserve_steps": lambda s: pj.reserve_steps(s, ids, 8),
+        "move_slots": lambda s: pj.move_slots(s, ids, arr([2, 3])),
     }[op]
     text = str(jax.make_jaxpr(fn)(state))
     for loop in ("while", "scan", "cond["):

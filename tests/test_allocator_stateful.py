@@ -1,9 +1,10 @@
 """Random programs of allocator ops, checked step by step against the pure-Python model.
 
-Hypothesis drives admit, append, release, fork, share_prefix, copy_on_write and the loose-block
-ops with valid and invalid arguments alike, at a fixed batch width (padded with -1) so that each
-jitted op compiles once. After every step: the invariants hold, and tables, lengths, ref
-counts, held counts and the free-list order equal the model's; a failed op changed nothing.
+Hypothesis drives admit, append, release, fork, share_prefix, copy_on_write, move_slots and the
+loose-block ops with valid and invalid arguments alike, at a fixed batch width (padded with -1)
+so that each jitted op compiles once. After every step: the invariants hold, and tables,
+lengths, ref counts, held counts and the free-list order equal the model's; a failed op
+changed nothing.
 """
 
 import collections
@@ -31,6 +32,7 @@ reserve_steps = jax.jit(pj.reserve_steps, static_argnums=2)
 fork = jax.jit(pj.fork)
 share_prefix = jax.jit(pj.share_prefix)
 copy_on_write = jax.jit(pj.copy_on_write)
+move_slots = jax.jit(pj.move_slots)
 allocate = jax.jit(pj.allocate_blocks, static_argnums=1)
 share_blocks = jax.jit(pj.share_blocks)
 free_blocks = jax.jit(pj.free_blocks)
@@ -130,6 +132,21 @@ class AllocatorMachine(RuleBasedStateMachine):
         ks = data.draw(st.lists(st.integers(-1, 4), min_size=len(srcs), max_size=len(srcs)))
         self.state, status = share_prefix(self.state, pad(srcs), pad(dsts), pad(ks, 0))
         assert self.codes(status, len(srcs)) == self.model.share(srcs, dsts, ks)
+
+    @precondition(lambda self: self.model.tables)
+    @rule(data=st.data())
+    def do_move_slots(self, data):
+        # Sources among the active slots; destinations drawn from every slot, so that free
+        # ones, other sources (swaps, cycles) and refused active ones all come up.
+        srcs = self.seq_ids(data, active=True)
+        if data.draw(MOSTLY):
+            dsts = data.draw(st.lists(st.integers(0, SEQS - 1), min_size=len(srcs),
+                                      max_size=len(srcs), unique=True))
+        else:
+            dsts = data.draw(st.lists(st.integers(-2, SEQS), min_size=len(srcs),
+                                      max_size=len(srcs)))
+        self.state, status = move_slots(self.state, pad(srcs), pad(dsts))
+        assert self.codes(status, len(srcs)) == self.model.move(srcs, dsts)
 
     @precondition(lambda self: self.model.tables)
     @rule(data=st.data())

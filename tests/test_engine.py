@@ -799,15 +799,18 @@ def spy_dispatches(eng, steps, calls):
     eng.steps.prefill_decode = prefill_decode
 
 
+@pytest.mark.parametrize("condense", [False, True])
 @pytest.mark.parametrize("budget_ms", [1e-9, 1e9])
 def test_decode_dispatches_k_steps_only_where_k_steps_took_at_most_max_dispatch_ms(
-        model, steps, reference, budget_ms):
+        model, steps, reference, budget_ms, condense):
     """All four requests are prefilled in the first iteration, then only decode. A
     dispatch is timed unless it is the first of its shape (rows, steps), which compiles; a row
     count runs K steps until one over it was timed. After that, a budget every dispatch
     exceeds gives one step a dispatch, one none exceeds K. The tokens are the dense
-    reference's either way."""
-    llm = engine(model, steps, max_num_seqs=4, steps_per_dispatch=3, max_dispatch_ms=budget_ms)
+    reference's either way. With the rows condensed, the row count is the one they move
+    into: it falls as requests finish, and a count not timed yet runs K steps again."""
+    llm = engine(model, steps, max_num_seqs=4, steps_per_dispatch=3, max_dispatch_ms=budget_ms,
+                 condense_slots=condense)
     calls = []
     spy_decode_steps(llm.engine, steps, calls)
     prompts = prompts_of([4, 9, 6, 3], seed=7)
@@ -822,10 +825,11 @@ def test_decode_dispatches_k_steps_only_where_k_steps_took_at_most_max_dispatch_
         if (rows, k) in seen:
             timed.add(rows)
         seen.add((rows, k))
-    assert [k for _, k in calls] == want
-    assert len({rows for rows, _ in calls}) == 1 and want[:2] == [3, 3]  # slot 3 to the end
+    assert [k for _, k in calls] == want and want[:2] == [3, 3]
+    # Slot 3 decodes to the end: uncondensed, every dispatch computes 4 rows.
+    assert sorted({rows for rows, _ in calls}) == ([1, 2, 4] if condense else [4])
     if budget_ms < 1:
-        assert want.count(1) >= 10, calls
+        assert want.count(1) >= (2 if condense else 10), calls
 
 
 def test_a_row_count_not_timed_yet_takes_the_time_of_fewer_rows(model, steps, reference):
@@ -918,3 +922,75 @@ def test_decode_dispatches_compute_the_slots_up_to_the_highest_decoding_one(mode
     # Some dispatch ran on fewer rows than slots, and both dispatch lengths ran.
     assert min(rows for rows, *_ in calls) == (1 if bucket else 4), calls
     assert {k for *_, k, _ in calls} == {1, 3}
+
+
+@pytest.mark.parametrize("condense", [True, False])
+def test_condensed_slots_put_the_decode_rows_in_the_lowest_slots(model, steps, reference,
+                                                                  condense):
+    """Rows left in high slots by shorter requests finishing below them move down before
+    their dispatch (``condense_slots``): each decode dispatch then computes the power of two
+    covering its row count, not its highest slot. The tokens are the dense reference's, and
+    the prefix cache follows the moves: each full block a moved sequence filled is found
+    again by a prompt that repeats the sequence."""
+    llm = engine(model, steps, max_num_seqs=8, steps_per_dispatch=2, max_dispatch_ms=None,
+                 first_tokens_first=False, condense_slots=condense)
+    eng = llm.engine
+    calls, moved = [], []
+    eng.add_listener(lambda e: moved.append(e) if type(e).__name__ == "Moved" else None)
+    spy_decode_steps(eng, steps, calls, lambda rows, num_steps: (
+        rows, sum(1 for s in eng.scheduler.running if s.decoding and s.remaining)))
+    prompts = prompts_of([4, 9, 6, 3, 7, 5, 8, 10], seed=6)
+    lengths = [2, 3, 2, 4, 3, 2, 3, 17]  # the last, in the highest slot, outlives the rest
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n)
+                                  for n in lengths], use_tqdm=False)
+    want = [reference(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    assert token_ids(outs) == [[w] for w in want]
+    covering = [(rows, 1 << (count - 1).bit_length()) for rows, count in calls]
+    if condense:
+        assert all(rows == cover for rows, cover in covering), covering
+        assert moved and {e.to_slot for e in moved} <= set(range(8))
+    else:
+        assert any(rows > cover for rows, cover in covering), covering
+        assert not moved
+    eng.lookups.clear()
+    again = [p + w[:-1] for p, w in zip(prompts, want, strict=True)]
+    llm.generate(again, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    bs = eng.cache_config.block_size
+    assert [record.hit_tokens for _, record in eng.lookups] == [
+        (len(t) - 1) // bs * bs for t in again]
+
+
+def test_a_decoding_row_swaps_slots_with_a_prompt_being_prefilled(model, steps, reference):
+    """Two slots: when the short request in slot 0 finishes, a long prompt takes slot 0 and
+    is prefilled in chunks while the row in slot 1 decodes. The row swaps into slot 0 (a
+    dispatch of one row, not two) and the prompt goes on in slot 1, each one's prefix-cache
+    chain with it: prompts that repeat them find the blocks they entered, as without the
+    move."""
+    prompts = prompts_of([4, 5, 40], seed=7)
+    lengths = [1, 12, 2]
+    want = [reference(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    again = [prompts[i] + want[i][:-1] + [7] for i in (1, 2)]
+    hits = {}
+    for condense in (True, False):
+        llm = engine(model, steps, max_num_seqs=2, steps_per_dispatch=1, max_dispatch_ms=None,
+                     first_tokens_first=False, prefill_tokens_while_decoding=8,
+                     condense_slots=condense)
+        eng = llm.engine
+        calls, moved = [], []
+        eng.add_listener(lambda e, moved=moved: moved.append(e)
+                         if type(e).__name__ == "Moved" else None)
+        spy_decode_steps(eng, steps, calls, lambda rows, num_steps, eng=eng: (
+            rows, sum(1 for s in eng.scheduler.running if s.decoding and s.remaining)))
+        outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n)
+                                      for n in lengths], use_tqdm=False)
+        assert token_ids(outs) == [[w] for w in want]
+        if condense:
+            assert {(e.request_id, e.from_slot, e.to_slot) for e in moved} >= {
+                ("req-1", 1, 0), ("req-2", 0, 1)}
+            assert all(rows == count for rows, count in calls) and (1, 1) in calls, calls
+        else:
+            assert not moved and (2, 1) in calls, calls
+        eng.lookups.clear()
+        llm.generate(again, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        hits[condense] = [record.hit_tokens for _, record in eng.lookups]
+    assert hits[True] == hits[False] and min(hits[True]) > 0, hits

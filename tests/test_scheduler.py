@@ -121,7 +121,9 @@ class Sim:
     def __init__(self, *, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                  steps_per_dispatch, steps_while_prefilling=None, policy="fcfs",
                  first_tokens_first=False, prefill_tokens_while_decoding=None,
-                 join_decode=False, one_prefill_chunk=False):
+                 join_decode=False, one_prefill_chunk=False, condense=False):
+        self.condense = condense
+        self.moves = 0
         self.sched = Scheduler(max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
                                steps_per_dispatch=steps_per_dispatch, block_size=block_size,
@@ -289,6 +291,8 @@ class Sim:
             assert plan.decode[len(plan.decode) - len(joined):] == joined
             self.joined += len(joined)
             self.join_refusals += len(joiners) > len(joined)
+        if self.condense and plan.decode:
+            self.check_condense([q for q, _ in plan.decode])
         for q, steps in plan.decode:
             pool.copy_on_write(q)
             pool.grow(q, q.cached + steps)
@@ -305,6 +309,35 @@ class Sim:
             self.done[q.request_id].append(q)
         self.check_slots()
         return plan
+
+    def check_condense(self, decoding: list[Sequence]) -> None:
+        """(i) Before a decode dispatch, ``condense`` puts its rows below the power of two
+        covering their count: rows above it go to free slots there, or swap with sequences
+        there being prefilled; reserved slots stay; nothing moves where every row lies below
+        it already, or where they cannot all be placed."""
+        s = self.sched
+        rows = min(1 << (len(decoding) - 1).bit_length(), s.max_num_seqs)
+        slots = {id(q): q.slot for q in s.running}
+        reserved = {id(q): list(q.reserved) for q in s.running}
+        free = list(s.free_slots)
+        above = [q for q in decoding if q.slot >= rows]
+        idle = [q for q in s.running if q.slot < rows and not q.decoding]
+        room = len([f for f in free if f < rows]) + len(idle)
+        moves = s.condense(decoding, rows)
+        self.moves += len(moves)
+        if not above or room < len(above):
+            assert moves == []
+        else:
+            assert all(q.slot < rows for q in decoding)
+        for q, old, new in moves:
+            assert old == slots[id(q)] and new == q.slot
+            if all(q is not d for d in decoding):  # swapped out of a decoding row's way
+                assert any(q is i for i in idle) and new >= rows
+        for q in s.running:
+            if all(q is not m for m, _, _ in moves):
+                assert q.slot == slots[id(q)]
+            assert q.reserved == reserved[id(q)]
+        self.check_slots()
 
     def run(self, arrivals: dict[int, list[tuple[int, int, int]]], limit: int) -> None:
         """``arrivals[i]``: requests ``(prompt_len, max_tokens, n)`` added before iteration
@@ -363,7 +396,8 @@ def test_random_workloads_under_pressure_all_complete(seed):
               max_num_batched_tokens=tokens, steps_per_dispatch=k,
               steps_while_prefilling=while_prefilling, policy=policy,
               prefill_tokens_while_decoding=rng.choice([None, 1, max(1, tokens // 2)]),
-              join_decode=seed % 2 == 0, one_prefill_chunk=seed % 4 < 2)
+              join_decode=seed % 2 == 0, one_prefill_chunk=seed % 4 < 2,
+              condense=seed % 3 != 0)
     sim.run(arrivals, limit=20_000)
     requests = {f"r{i}": r for i, r in enumerate(r for i in sorted(arrivals)
                                                    for r in arrivals[i])}
@@ -379,6 +413,57 @@ def test_a_small_pool_preempts_many_times_and_still_completes_everything():
     assert sim.preempted_total >= 10, sim.preempted_total
     assert sim.sched.num_preemptions == sim.preempted_total
     assert_all_complete(sim, {f"r{i}": r for i, r in enumerate(arrivals[0])})
+
+
+def test_a_small_pool_with_condensed_slots_preempts_moves_and_completes_everything():
+    rng = random.Random(1235)
+    arrivals = {0: [(rng.randint(10, 30), rng.randint(1, 40), 1) for _ in range(12)]}
+    sim = Sim(num_blocks=18, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+              steps_per_dispatch=8, condense=True)
+    sim.run(arrivals, limit=5_000)
+    assert sim.preempted_total >= 10 and sim.moves >= 4, (sim.preempted_total, sim.moves)
+    assert_all_complete(sim, {f"r{i}": r for i, r in enumerate(arrivals[0])})
+
+
+def slotted(sched: Scheduler, slots: dict[str, int], decoding: set[str],
+            reserved: dict[str, list[int]] | None = None) -> dict[str, Sequence]:
+    """Running sequences named by ``slots`` (name -> slot), the others free."""
+    seqs = {}
+    for i, (name, slot) in enumerate(slots.items()):
+        seqs[name] = Sequence(request_id=name, index=0, arrival=i, prompt_ids=[1, 2],
+                              max_tokens=4, slot=slot, decoding=name in decoding,
+                              reserved=list((reserved or {}).get(name, [])))
+    sched.running = list(seqs.values())
+    taken = set(slots.values()) | {r for rs in (reserved or {}).values() for r in rs}
+    sched.free_slots = [i for i in range(sched.max_num_seqs) if i not in taken]
+    return seqs
+
+
+def test_condense_moves_a_lone_decoding_row_into_the_lowest_free_slot():
+    sched = Scheduler(max_num_seqs=8, max_num_batched_tokens=16, steps_per_dispatch=4,
+                      block_size=4)
+    q = slotted(sched, {"a": 6, "b": 3}, decoding={"a", "b"})
+    moves = sched.condense([q["a"], q["b"]], 2)
+    assert [(m.request_id, old, new) for m, old, new in moves] == [("b", 3, 0), ("a", 6, 1)]
+    assert (q["a"].slot, q["b"].slot) == (1, 0)
+    assert sched.free_slots == [2, 3, 4, 5, 6, 7]
+    # Rows that lie below the bound already stay.
+    assert sched.condense([q["a"], q["b"]], 2) == []
+
+
+def test_condense_swaps_with_a_prefilling_sequence_and_keeps_reserved_slots():
+    sched = Scheduler(max_num_seqs=8, max_num_batched_tokens=16, steps_per_dispatch=4,
+                      block_size=4)
+    # p is being prefilled in slot 0, with slot 1 kept for its second completion.
+    q = slotted(sched, {"p": 0, "d": 5}, decoding={"d"}, reserved={"p": [1]})
+    moves = sched.condense([q["d"]], 1)
+    assert [(m.request_id, old, new) for m, old, new in moves] == [("p", 0, 5), ("d", 5, 0)]
+    assert (q["p"].slot, q["d"].slot, q["p"].reserved) == (5, 0, [1])
+    assert sched.free_slots == [2, 3, 4, 6, 7]
+    # Slot 0 reserved, 1 decoding: a row in slot 4 has no place below 2.
+    q = slotted(sched, {"p": 3, "e": 1, "d": 4}, decoding={"e", "d"}, reserved={"p": [0]})
+    assert sched.condense([q["e"], q["d"]], 2) == []
+    assert (q["p"].slot, q["e"].slot, q["d"].slot) == (3, 1, 4)
 
 
 def test_a_long_prompt_is_chunked_while_the_running_requests_decode_every_iteration():

@@ -137,6 +137,9 @@ def test_every_event_kind_is_the_engine_s(run):
             return [e.block for e in events if e.kind == kind and e.request == request]
 
         label = {seq: names[slot] for slot, seq in done.slots.items()}
+        # Who held each slot: the previous snapshot's, then after each move in this step.
+        prev_names = {r.slot: n for n, r in prev.items()}
+        slot_names = dict(prev_names)
         for e in pending:
             if isinstance(e, ev.Preempted):
                 name = log.snapshots[k - 1].names[e.slot]
@@ -150,8 +153,10 @@ def test_every_event_kind_is_the_engine_s(run):
                 for c in e.child_slots:
                     assert blocks("fork", names[c]) == list(
                         log.snapshots[k].requests()[parent].table), k
+            elif isinstance(e, ev.Moved):  # a decode dispatch's rows moved down before it
+                slot_names[e.to_slot] = prev_names.get(e.from_slot)
             elif isinstance(e, ev.Finished):
-                name = next((n for n, r in prev.items() if r.slot == e.slot), None)
+                name = slot_names.get(e.slot)
                 if name is not None:  # it held blocks at the step before
                     assert blocks("free", name) == e.blocks, k
         assert sum(e.kind == "cow_copy" for e in events) == done.copies, k

@@ -235,27 +235,37 @@ def release(state: BlockState, seq_ids) -> tuple[BlockState, Status]:
     return new, op_status(code, ids, jnp.int32(0), state, "release")
 
 
-def _share(state: BlockState, src_ids, dst_ids, num_blocks, op: str):
-    cfg = state.config
-    src, src_safe, src_valid, code_s = prepare_seq_ids(state, src_ids, "parent/src ids",
-                                                       unique=False)
-    dst, dst_safe, dst_valid, code = prepare_seq_ids(state, dst_ids, "child/dst ids")
+def _pairs(state: BlockState, src_ids, dst_ids, op: str, names, unique_src: bool):
+    """Check ``(source, destination)`` slot pairs as ``_share`` and ``move_slots`` take them:
+    ids in range (and unique, where asked), padding on both sides or neither, active
+    sources. Returns ``(src, src_safe, dst, dst_safe, valid, code, src_fault)``;
+    ``src_fault`` marks the entries whose error lies with the source, which the status then
+    names instead of the destination."""
+    src, src_safe, src_valid, code_s = prepare_seq_ids(state, src_ids, names[0],
+                                                       unique=unique_src)
+    dst, dst_safe, dst_valid, code = prepare_seq_ids(state, dst_ids, names[1])
     if src.shape != dst.shape:
         raise ValueError(f"{op}: source ids {src.shape} and destination ids {dst.shape} differ.")
-    # An error that lies with the source (a bad or inactive parent, too few blocks to share)
-    # names the source, not the destination.
     src_fault = (code == Code.OK) & (code_s != Code.OK)
     code = jnp.where(code == Code.OK, code_s, code)
-    # Padding must be padding on both sides.
     code = first_error(code, (src == -1) != (dst == -1), Code.BAD_SEQ_ID)
     valid = src_valid & dst_valid & (code == Code.OK)
     code = first_error(code, valid & ~state.active[src_safe], Code.SEQ_INACTIVE)
+    return src, src_safe, dst, dst_safe, valid, code, src_fault | (code == Code.SEQ_INACTIVE)
+
+
+def _share(state: BlockState, src_ids, dst_ids, num_blocks, op: str):
+    cfg = state.config
+    # An error that lies with the source (a bad or inactive parent, too few blocks to share)
+    # names the source, not the destination.
+    src, src_safe, dst, dst_safe, valid, code, src_fault = _pairs(
+        state, src_ids, dst_ids, op, ("parent/src ids", "child/dst ids"), unique_src=False)
     code = first_error(code, valid & state.active[dst_safe], Code.SEQ_ACTIVE)
     src_len = state.seq_lens[src_safe]
     src_blocks = cdiv(src_len, cfg.block_size)
     k = src_blocks if num_blocks is None else broadcast_like(num_blocks, src, "num_blocks")
     code = first_error(code, valid & ((k < 0) | (k > src_blocks)), Code.BAD_NUM_BLOCKS)
-    src_fault = src_fault | (code == Code.SEQ_INACTIVE) | (code == Code.BAD_NUM_BLOCKS)
+    src_fault = src_fault | (code == Code.BAD_NUM_BLOCKS)
     blamed = jnp.where(src_fault, src, dst)
     table = {Code.BAD_SEQ_ID: (blamed, cfg.max_seqs, None),
              Code.BAD_NUM_BLOCKS: (k, src_blocks, dst)}
@@ -287,6 +297,38 @@ def share_prefix(state: BlockState, src_id, dst_id, num_blocks) -> tuple[BlockSt
     from a following ``append``. Batched: all three arguments may be [batch] arrays.
     """
     return _share(state, src_id, dst_id, num_blocks, "share_prefix")
+
+
+def move_slots(state: BlockState, src_ids, dst_ids) -> tuple[BlockState, Status]:
+    """Move sequences to other slots: slot ``dst[i]`` takes ``src[i]``'s table row, length
+    and active flag, and every source that is not also a destination is left empty. Blocks
+    and ref counts do not change: a slot is only a row of the tables. What it is for: a
+    decode step computes the slots up to the highest one decoding, so a server moves its
+    decoding sequences down into slots that finished sequences freed (vLLM's persistent
+    batch condenses the same way).
+
+    Args:
+      src_ids: [batch] int, active slots, unique (-1 = padding).
+      dst_ids: [batch] int, unique; each inactive, or the source of another entry (swaps
+        and cycles move in one op). Padding must be padding on both sides.
+
+    Refused entries: an inactive source (``SEQ_INACTIVE``, naming the source), a destination
+    that is active and stays so (``SEQ_ACTIVE``).
+    """
+    cfg = state.config
+    src, src_safe, dst, dst_safe, valid, code, src_fault = _pairs(
+        state, src_ids, dst_ids, "move_slots", ("src_ids", "dst_ids"), unique_src=True)
+    leaving = jnp.zeros((cfg.max_seqs,), bool).at[jnp.where(valid, src, cfg.max_seqs)].set(
+        True, mode="drop")
+    code = first_error(code, valid & state.active[dst_safe] & ~leaving[dst_safe],
+                       Code.SEQ_ACTIVE)
+    blamed = jnp.where(src_fault, src, dst)
+    code, apply = finalize(code)
+    tables, lens = state.block_tables[src_safe], state.seq_lens[src_safe]
+    new = set_rows(state, src, apply, valid, 0, False, NULL_BLOCK)
+    new = set_rows(new, dst, apply, valid, lens, True, tables)
+    table = {Code.BAD_SEQ_ID: (blamed, cfg.max_seqs, None)}
+    return new, op_status(code, blamed, jnp.int32(0), state, "move_slots", table)
 
 
 def copy_on_write(state: BlockState, seq_ids, positions):

@@ -64,6 +64,8 @@ _EXPLAIN = {
 _OP_EXPLAIN = {
     ("admit_cached", Code.BAD_LENGTH): "would hold {value} tokens; expected {at} to {limit}, "
                                        "what its listed blocks hold",
+    ("move_slots", Code.SEQ_ACTIVE): "is active and no entry moves it away; expected a free "
+                                     "slot or another entry's source",
     ("prefill_packed", Code.SEQ_ACTIVE): "holds {value} tokens; expected an empty slot (a "
                                          "packed prefill starts every row at position 0)",
     ("prefill_packed", Code.BAD_NUM_TOKENS): "brings {value} new tokens; expected 1 to "

@@ -18,7 +18,10 @@ each ``--max-num-seqs`` (the batch limit), and reports what ``vllm bench serve``
   does not); ``step()`` returns after each prefill dispatch that finishes a prompt
   (``paged_jax_whole_iteration`` runs the whole iteration in one call); requests are admitted
   by ``--scheduling-policy``, first come first served by default (``paged_jax_shortest_first``
-  admits the ones that arrived together shortest prompt first). Each engine
+  admits the ones that arrived together shortest prompt first); a decode dispatch's rows
+  move down into the lowest slots where a higher one decodes alone (``paged_jax_uncondensed``
+  leaves each in its slot; ``paged_jax_one_dispatch_uncondensed`` does so beside
+  ``paged_jax_one_dispatch``). Each engine
   first compiles every prefill shape it can dispatch (``engine.warmup.warm_up``); each
   configuration is then served once untimed, so that the timed passes run on compiled
   executables, and the prefix cache is emptied before each pass.
@@ -105,6 +108,14 @@ ABLATIONS = {
         lambda a: {"decode_with_prefill": True, "one_prefill_chunk": True},
         "the decode step apart vs one dispatch per decoding iteration (one prefill chunk an "
         "iteration with decode rows, run with the decode step)"),
+    "paged_jax_one_dispatch_uncondensed": (
+        lambda a: {"decode_with_prefill": True, "one_prefill_chunk": True,
+                   "condense_slots": False},
+        "paged_jax_one_dispatch with its decode rows condensed into the lowest slots vs left "
+        "in the slots they were admitted to"),
+    "paged_jax_uncondensed": (lambda a: {"condense_slots": False},
+                              "decode rows condensed into the lowest slots vs left in the "
+                              "slots they were admitted to"),
     "paged_jax_k_while_prefilling": (
         lambda a: {"steps_while_prefilling": a.steps_per_dispatch},
         "decode steps_while_prefilling vs K throughout"),

@@ -7,7 +7,7 @@ vLLM's lack: the physical ``block_ids``, the ``request_id`` and the blocks' ``re
 when the event happened. Hashes are the first 8 bytes of the prefix cache's sha256 chain
 hashes, as unsigned ints (vLLM publishes int hashes too).
 
-Scheduling events: ``Admitted`` (with its prefix-cache ``Lookup``), ``Forked``,
+Scheduling events: ``Admitted`` (with its prefix-cache ``Lookup``), ``Forked``, ``Moved``,
 ``Preempted``, ``Finished`` (a sequence released its slot: its finish reason, or
 ``"abort"``) and ``StepDone``, published after every ``LLMEngine.step`` with the
 ``BlockState`` it left and which slot holds which request, for a recorder to snapshot.
@@ -27,6 +27,7 @@ __all__ = [
     "BlockStored",
     "Finished",
     "Forked",
+    "Moved",
     "Preempted",
     "StepDone",
     "hash_int",
@@ -86,6 +87,17 @@ class Forked:
     request_id: str
     parent_slot: int
     child_slots: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """A sequence moved from ``from_slot`` to ``to_slot`` before a decode dispatch
+    (``LLMEngine``'s ``condense_slots``): its table row and length, not its blocks."""
+
+    request_id: str
+    index: int
+    from_slot: int
+    to_slot: int
 
 
 @dataclasses.dataclass(frozen=True)

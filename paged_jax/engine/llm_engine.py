@@ -32,7 +32,9 @@ Prefill shapes are bucketed to powers of two (``engine.buckets``), so the number
 executables is bounded whatever the prompts. A decode dispatch computes the slots up to the
 highest one decoding, rounded up to a power of two
 (``LLMEngine.decode_rows_for``): a step's cost grows with its rows, active or not, and slots
-are handed out lowest first. Decode compiles once per such row count, sampling kind in use
+are handed out lowest first. Where some rows lie above the power of two that covers their
+count (the sequences below them finished), they first move down into slots below it
+(``condense_slots``). Decode compiles once per such row count, sampling kind in use
 (greedy, sampled, sampled with top-k/top-p) and dispatch length (K and
 ``steps_while_prefilling``).
 """
@@ -56,6 +58,7 @@ from paged_jax.allocator import (
     fork,
     free_blocks,
     init_state,
+    move_slots,
     release,
     share_blocks,
 )
@@ -290,6 +293,13 @@ class LLMEngine:
       bucket_decode_rows: run each decode dispatch on the slots up to the highest one
         decoding, rounded up to a power of two (``decode_rows_for``); False computes every slot
         in every step (``paged-jax bench serve`` compares the two).
+      condense_slots: before a decode dispatch (or a ``prefill_decode``) whose highest
+        decoding slot lies above the power of two that covers its row count, move the rows
+        above it into the free slots below (or swap them with sequences there that are being
+        prefilled; ``Scheduler.condense``, ``move_slots``): a row left in a high slot after
+        the ones below it finished would make every dispatch compute all the slots below it.
+        Only the table rows move, never a block. False leaves every sequence in the slot it
+        was admitted to (``paged-jax bench serve`` compares the two).
       steps: the model's compiled ``Steps`` to reuse (engines over one model share their
         compiled prefill and decode through it); None builds one.
       mesh: a ``jax.sharding.Mesh`` with a ``"tp"`` axis to run tensor parallel over its
@@ -312,7 +322,7 @@ class LLMEngine:
                  debug: bool = False, steps: Steps | None = None,
                  prefill_by_width: bool = True, pack_prefill: bool = True,
                  decode_with_prefill: bool = False, one_prefill_chunk: bool = False,
-                 bucket_decode_rows: bool = True, mesh=None):
+                 bucket_decode_rows: bool = True, condense_slots: bool = True, mesh=None):
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_model_len", max_model_len),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -372,6 +382,7 @@ class LLMEngine:
         self.deliver_each_prefill = bool(deliver_each_prefill)
         self._rest: _Iteration | None = None  # the iteration step() is part way through
         self.bucket_decode_rows = bool(bucket_decode_rows)
+        self.condense_slots = bool(condense_slots)
 
         graphdef = nnx.split(model)[0]
         self.graphdef, self.params = graphdef, serving_params(model)
@@ -398,6 +409,7 @@ class LLMEngine:
         self._admit_cached = jax.jit(admit_cached, donate_argnums=0)
         self._hold = jax.jit(share_blocks, donate_argnums=0)
         self._unhold = jax.jit(free_blocks, donate_argnums=0)
+        self._move = jax.jit(move_slots, donate_argnums=0)
         self._invariants = jax.jit(check_invariants)
 
         # Every iteration's chunk runs in one dispatch with its decode step: the chunk that
@@ -760,6 +772,7 @@ class LLMEngine:
         bs = self.cache_config.block_size
         chunk_blocks = cdiv(start + length, bs) - cdiv(start, bs)
         self._join_decode(plan, chunk_blocks)
+        self._condense(plan)
         d = self._decode_rows(plan)
         decode_rows = self.decode_rows_for(max(s.slot for s, _ in plan.decode))
         self._prefill_shapes.add(("prefill_decode", width, decode_rows))
@@ -856,6 +869,8 @@ class LLMEngine:
         if self.max_dispatch_ms is None or not slots:
             return k
         rows = self.decode_rows_for(max(slots))
+        if self.condense_slots:  # the rows will move down into as many slots as they need
+            rows = min(rows, self.decode_rows_for(len(slots) - 1))
         per_step = self._step_seconds.get(rows)
         if per_step is None:  # a step over more rows takes at least as long as over fewer
             per_step = max((t for r, t in self._step_seconds.items() if r < rows), default=None)
@@ -871,6 +886,30 @@ class LLMEngine:
         if not self.bucket_decode_rows:
             return s_count
         return pow2_at_least(highest_slot + 1, 1, s_count)
+
+    def _condense(self, plan: Plan) -> None:
+        """Move ``plan``'s decode rows into the slots below the row count that covers them,
+        where some lie above it (``condense_slots``): the scheduler picks the moves, the pool
+        makes them in one ``move_slots``, and each slot's prefix-cache chain follows."""
+        if not (self.condense_slots and self.bucket_decode_rows and plan.decode):
+            return
+        moves = self.scheduler.condense([s for s, _ in plan.decode],
+                                        self.decode_rows_for(len(plan.decode) - 1))
+        if not moves:
+            return
+        src = np.full(self.cache_config.max_seqs, -1, np.int32)
+        dst = src.copy()
+        for i, (_, old, new) in enumerate(moves):
+            src[i], dst[i] = old, new
+        self.state, status = self._move(self.state, src, dst)
+        status.raise_if_failed()
+        chain = {old: self._chain.pop(old) for _, old, _ in moves if old in self._chain}
+        for _, old, new in moves:
+            if old in chain:
+                self._chain[new] = chain[old]
+        for seq, old, new in moves:
+            self._publish(lambda seq=seq, old=old, new=new: ev.Moved(
+                seq.request_id, seq.index, old, new))
 
     def _decode_rows(self, plan: Plan) -> _DecodeRows:
         """The per-slot arrays of ``plan``'s decode rows (``_DecodeRows``)."""
@@ -897,6 +936,7 @@ class LLMEngine:
         return d
 
     def _run_decode(self, plan: Plan, touched) -> None:
+        self._condense(plan)
         d = self._decode_rows(plan)
         free_before = int(self.state.num_free)
         rows = self.decode_rows_for(max(s.slot for s, _ in plan.decode))

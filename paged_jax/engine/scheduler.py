@@ -405,6 +405,40 @@ class Scheduler:
         plan.decode = plan.decode + joined
         return joined
 
+    def condense(self, decoding: list[Sequence], rows: int) -> list[tuple[Sequence, int, int]]:
+        """Move the ``decoding`` sequences (a decode dispatch's rows) into the slots below
+        ``rows``, where some lie above: a dispatch computes every slot up to the highest one
+        it decodes, so a row left alone in a high slot (the others below it finished) costs
+        the dispatch every slot below it. Each one above goes to the lowest free slot below
+        ``rows``, or else swaps with a sequence there whose prompt is being prefilled; the
+        slots kept for a request's completions stay where they are, and so do decoding
+        sequences outside the dispatch (completions that forked in this iteration).
+        Returns the moves ``(seq, from, to)``, already made here (``seq.slot`` and the free
+        slots), for the caller to make in the pool (``move_slots``); none where they cannot
+        all be placed, since a dispatch over ``rows`` slots then would not cover them."""
+        above = sorted((s for s in decoding if s.slot >= rows), key=lambda s: s.slot)
+        if not above:
+            return []
+        free = [slot for slot in self.free_slots if slot < rows]
+        idle = sorted((s for s in self.running if s.slot < rows and not s.decoding),
+                      key=lambda s: s.slot)
+        if len(free) + len(idle) < len(above):
+            return []
+        moves = []
+        for seq in above:
+            old = seq.slot
+            if free:
+                seq.slot = free.pop(0)
+                self.free_slots.remove(seq.slot)
+                self.free_slots.append(old)
+            else:
+                other = idle.pop(0)
+                seq.slot, other.slot = other.slot, old
+                moves.append((other, seq.slot, old))
+            moves.append((seq, old, seq.slot))
+        self.free_slots.sort()
+        return moves
+
     def _preempt(self, seq: Sequence, plan: Plan) -> None:
         """Free ``seq``'s slot and queue it first (older victims end up ahead)."""
         self.running.remove(seq)
