@@ -903,10 +903,10 @@ class LLMEngine:
             src[i], dst[i] = old, new
         self.state, status = self._move(self.state, src, dst)
         status.raise_if_failed()
-        chain = {old: self._chain.pop(old) for _, old, _ in moves if old in self._chain}
-        for _, old, new in moves:
-            if old in chain:
-                self._chain[new] = chain[old]
+        # Every moved slot's chain is taken out before any is put back: a swap's two slots
+        # trade theirs.
+        self._chain.update({new: self._chain.pop(old) for _, old, new in moves
+                            if old in self._chain})
         for seq, old, new in moves:
             self._publish(lambda seq=seq, old=old, new=new: ev.Moved(
                 seq.request_id, seq.index, old, new))
