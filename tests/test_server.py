@@ -484,10 +484,10 @@ def test_serve_refuses_a_bad_prefill_budget_before_loading_anything():
 
 
 @pytest.mark.parametrize("flag", [True, False])
-def test_serve_one_dispatch_turns_on_one_prefill_chunk_and_decode_with_prefill(monkeypatch,
-                                                                               flag):
+def test_serve_one_dispatch_and_no_condense_slots_reach_the_engine(monkeypatch, flag):
     """``--one-dispatch`` reaches the engine as both settings, and the engine made from
-    them merges the chunk with the decode step; without it both stay off."""
+    them merges the chunk with the decode step; without it both stay off.
+    ``--no-condense-slots`` turns ``condense_slots`` off; without it, it stays on."""
     import uvicorn
 
     from paged_jax.engine import llm as llm_module
@@ -506,8 +506,9 @@ def test_serve_one_dispatch_turns_on_one_prefill_chunk_and_decode_with_prefill(m
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
     argv = ["--model", "tiny", "--max-model-len", "64", "--kv-cache-mib", "4",
             "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
-    assert server_cli.main(argv + ["--one-dispatch"] * flag) == 0
+    assert server_cli.main(argv + ["--one-dispatch", "--no-condense-slots"] * flag) == 0
     (engine,) = made
+    assert engine.condense_slots is not flag
     assert engine.decode_with_prefill is flag
     assert engine.scheduler.one_prefill_chunk is flag
     assert engine.scheduler.first_tokens_first is not flag

@@ -230,8 +230,9 @@ class LLMEngine:
       max_dispatch_ms: the longest a decode dispatch of K steps may take, so that a request
         that arrives meanwhile waits at most about this long for its prefill to start. The
         engine times every decode dispatch but the first of each shape (which compiles it);
-        where the last one timed over as many rows (``decode_rows_for``) took longer than
-        this per K steps, it dispatches ``steps_while_prefilling`` steps instead (the length
+        where the last one timed over as many rows (``decode_rows_for``; a count not timed
+        yet is bounded by those that were, see ``dispatch_steps``) took longer than this per
+        K steps, it dispatches ``steps_while_prefilling`` steps instead (the length
         iterations that prefill use; ``warm_up`` compiles both). K amortizes a host round
         trip: it pays where steps are short (a small model, a GPU) and costs a new arrival
         most of the dispatch where they are long (a real model on a CPU). None: K whenever
@@ -862,8 +863,9 @@ class LLMEngine:
         """The decode dispatch length for this iteration when nothing is prefilled: K, or
         ``steps_while_prefilling`` where the last dispatch over as many rows as the running
         sequences need took longer than ``max_dispatch_ms`` per K steps (see ``__init__``).
-        A step over more rows takes at least as long, so a row count not timed yet takes
-        the longest time of the fewer rows timed; K until one at most that many was timed."""
+        A step over more rows takes at least as long as over fewer, so a row count not timed
+        yet takes the shortest time of the more rows timed (an upper bound: K only where it
+        fits), or where none was, the longest of the fewer rows timed; K until any was."""
         k = self.steps_per_dispatch
         slots = [s.slot for s in self.scheduler.running if s.decoding]
         if self.max_dispatch_ms is None or not slots:
@@ -873,7 +875,9 @@ class LLMEngine:
             rows = min(rows, self.decode_rows_for(len(slots) - 1))
         per_step = self._step_seconds.get(rows)
         if per_step is None:  # a step over more rows takes at least as long as over fewer
-            per_step = max((t for r, t in self._step_seconds.items() if r < rows), default=None)
+            more = [t for r, t in self._step_seconds.items() if r > rows]
+            per_step = min(more) if more else max(
+                (t for r, t in self._step_seconds.items() if r < rows), default=None)
         if per_step is None or per_step * k * 1e3 <= self.max_dispatch_ms:
             return k
         return self.steps_while_prefilling
@@ -1088,6 +1092,23 @@ class LLMEngine:
 
     def output(self, request_id: str) -> RequestOutput:
         return self._output(self.requests[request_id])
+
+    def compile_pool_ops(self) -> None:
+        """Compile the allocator ops the engine applies between dispatches at a fixed shape
+        (one entry per slot): ``release``, ``fork``, ``admit_cached`` and ``move_slots``. Each
+        runs once on padding alone, which changes nothing. Otherwise each compiles where it is
+        first used (a request finishing, forking, admitted, its row condensed). The loose-block
+        ops (``share_blocks``, ``free_blocks``) compile per size class on first use."""
+        s = self.cache_config.max_seqs
+        pad = np.full(s, -1, np.int32)
+        self.state, released = self._release(self.state, pad)
+        self.state, forked = self._fork(self.state, pad, pad)
+        self.state, admitted = self._admit_cached(
+            self.state, pad, np.full((s, self.cache_config.max_blocks_per_seq), -1, np.int32),
+            np.zeros(s, np.int32))
+        self.state, moved = self._move(self.state, pad, pad)
+        for status in (released, forked, admitted, moved):
+            status.raise_if_failed()
 
     def check(self) -> None:
         """Raise ``AssertionError`` unless the pool's invariants hold and the host's view

@@ -15,6 +15,7 @@ budget of an iteration that decodes allows, at every decode row count, greedy. D
 warmed for greedy requests with one stop id (EOS), at both of the engine's dispatch lengths
 (``steps_per_dispatch`` and ``steps_while_prefilling``) and every row count
 (``LLMEngine.decode_rows_for``); sampled requests and longer stop lists compile on first use.
+The allocator ops applied between dispatches are compiled too (``LLMEngine.compile_pool_ops``).
 
 XLA:CPU maps memory for every compiled kernel (about 1,200 mappings per SmolLM2 executable),
 and Linux stops a process at ``vm.max_map_count`` mappings (65,530 by default), where the
@@ -147,4 +148,5 @@ def warm_up(engine: LLMEngine, progress: bool = True) -> int:
                 budgets=np.zeros(s, np.int32), stop_ids=np.full((s, 1), -1, np.int32),
                 seeds=None, rows=rows)
         status.raise_if_failed()
+    engine.compile_pool_ops()
     return len(shapes) + len(widths) + len(beside)

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "tail; while rows decode, prompts are prefilled one after another, "
                    "and --warmup compiles a prefill_decode shape per chunk width and "
                    "decode row count")
+    p.add_argument("--no-condense-slots", action="store_true",
+                   help="leave decode rows in the slots they were admitted to (LLMEngine's "
+                   "condense_slots), rather than moving them down below the power of two "
+                   "that covers their count before a decode dispatch")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=256)
     p.add_argument("--steps-per-dispatch", type=int, default=8)
@@ -115,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
               steps_while_prefilling=args.steps_while_prefilling,
               max_dispatch_ms=max_dispatch_ms,
               decode_with_prefill=args.one_dispatch, one_prefill_chunk=args.one_dispatch,
+              condense_slots=not args.no_condense_slots,
               scheduling_policy=args.scheduling_policy,
               enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
               kv_cache_bytes=args.kv_cache_mib << 20)
