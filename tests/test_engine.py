@@ -864,6 +864,52 @@ def test_a_row_count_not_timed_yet_takes_the_time_of_fewer_rows(model, steps, re
                     for i, n in enumerate([30, 30, 20, 20])}
 
 
+def test_a_row_count_not_timed_yet_takes_the_shortest_time_of_more_rows(model, steps,
+                                                                       reference, monkeypatch):
+    """On a clock the dispatches set, a step over 4 rows takes 40 ms and over 2 or 1 rows
+    30, against a budget of 100 ms per K = 3 steps: 4 rows fit one step a dispatch, fewer
+    fit K. The rows condense from 4 to 2 to 1 as requests finish. Each count's choice
+    follows a plain model of the rule: K until any dispatch was timed; then a count's own
+    last time, or where it has none the shortest of the more rows timed (an upper bound),
+    or else the longest of the fewer. So the first 2-row dispatch runs one step (only 4 rows
+    were timed, at 40 ms), and 1 row, untimed, runs K (2 rows took 30 ms). The tokens are
+    the dense reference's."""
+    from paged_jax.engine import llm_engine
+
+    per_step = {4: 0.040, 2: 0.030, 1: 0.030}
+    clock = [0.0]
+    monkeypatch.setattr(llm_engine, "time", type("Clock", (), {
+        "perf_counter": staticmethod(lambda: clock[0])}))
+    llm = engine(model, steps, max_num_seqs=4, steps_per_dispatch=3, max_dispatch_ms=100.0)
+    calls = []
+
+    def record(rows, num_steps):
+        clock[0] += per_step[rows] * num_steps  # the dispatch's time on the engine's clock
+        return rows, num_steps
+
+    spy_decode_steps(llm.engine, steps, calls, record)
+    prompts = prompts_of([4, 9, 6, 3], seed=9)
+    lengths = [6, 7, 24, 40]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n)
+                                  for n in lengths], use_tqdm=False)
+    assert token_ids(outs) == [[reference(p, n)] for p, n in zip(prompts, lengths, strict=True)]
+    seen, timed, want = set(), {}, []
+    for rows, _ in calls:
+        more = [t for r, t in timed.items() if r > rows]
+        t = timed.get(rows, min(more) if more else max(
+            (t for r, t in timed.items() if r < rows), default=None))
+        k = 3 if t is None or t * 3 * 1e3 <= 100.0 else 1
+        want.append(k)
+        if (rows, k) in seen:
+            timed[rows] = per_step[rows]
+        seen.add((rows, k))
+    assert [k for _, k in calls] == want, calls
+    first = {}
+    for rows, k in calls:
+        first.setdefault(rows, k)
+    assert first == {4: 3, 2: 1, 1: 3}, calls
+
+
 @pytest.mark.parametrize("first", [True, False])
 def test_a_prompt_s_first_token_comes_back_from_its_prefill_alone(model, steps, reference,
                                                                    first):
