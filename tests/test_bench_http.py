@@ -129,7 +129,7 @@ def test_cli_runs_the_http_system(tiny_hf_dir, tmp_path, capsys):
     assert [r["system"] for r in results] == ["paged_jax", bench_serve.HTTP]
     for r in results:
         assert r["completed"] == 4 and r["output_tokens"] == 16
-        assert r["greedy_agree_with_paged_jax"] == 4
+        assert r["greedy_agree"] == 4
         # Two timed runs each; the reported figures are their medians.
         assert len(r["repeats"]) == 2
         # The HTTP runs carry their engine's timing of the same requests: never later.

@@ -39,7 +39,7 @@ def test_sweep_on_a_tiny_model(tiny_hf_dir, tmp_path, systems, rates):
         assert r["output_tokens"] == 6 * 5  # EOS ignored: exactly max-output-len each
         assert 6 * 12 <= r["prompt_tokens"] <= 6 * 24
         # Greedy decoding does not depend on the batch: every server makes the same tokens.
-        assert r["greedy_agree_with_paged_jax"] == 6, r
+        assert r["greedy_agree"] == 6, r
         assert r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
         assert r["output_throughput"] == pytest.approx(30 / r["duration_s"])
         assert 1 <= r["peak_concurrency"] <= 6
@@ -47,23 +47,31 @@ def test_sweep_on_a_tiny_model(tiny_hf_dir, tmp_path, systems, rates):
             assert r["peak_concurrency"] == 6
 
 
-def test_without_paged_jax_the_tokens_have_no_reference(tiny_hf_dir, tmp_path, capsys):
-    """The tokens are compared with paged_jax's; where it does not run (a peer, or an ablation,
-    alone), the table and ``serve.json`` say there is nothing to compare with."""
+@pytest.mark.parametrize("systems", [["generate"], ["paged_jax_uncondensed", "generate"]])
+def test_the_tokens_reference_is_the_first_paged_jax_server(tiny_hf_dir, tmp_path, capsys,
+                                                           systems):
+    """The tokens are compared with the first paged_jax server's (paged_jax, or else the
+    first ablation run); where none runs (a peer alone), the table and ``serve.json`` say
+    there is nothing to compare with."""
     out = tmp_path / "out"
     argv = ["--model", str(tiny_hf_dir), "--dataset", "random", "--num-prompts", "3",
             "--random-input-len", "24", "--max-output-len", "3", "--max-num-seqs", "4",
             "--request-rate", "inf", "--max-num-batched-tokens", "32",
             "--steps-per-dispatch", "2", "--out", str(out),
-            "--systems", "generate"]
+            "--systems", *systems]
     assert bench_serve.main(argv) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines()
-            if re.match(r"\s+inf\s+4 ", line)]
-    assert [line.split()[2] for line in rows] == ["generate"]
-    assert all(line.split("|")[-1].strip() == "-" for line in rows), rows
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if re.match(r"\s+inf\s+4 ", line)]
+    assert [line.split()[2] for line in rows] == systems
     report = json.loads((out / "serve.json").read_text())
+    reference = None if systems == ["generate"] else systems[0]
+    assert report["greedy_reference"] == reference
+    want = None if reference is None else 3
+    assert [line.split("|")[-1].strip() for line in rows] == (
+        ["-"] if reference is None else ["3/3"] * 2), rows
+    assert (f"greedy tokens equal {reference}'s" in printed) is (reference is not None)
     for r in report["results"]:
-        assert r["greedy_agree_with_paged_jax"] is None
+        assert r["greedy_agree"] == want
         assert r["completed"] == 3 and r["output_tokens"] == 3 * 3, r
 
 
