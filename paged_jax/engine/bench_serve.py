@@ -539,7 +539,7 @@ def table(results: list[dict]) -> str:
         t, i = r["ttft_ms"], r["itl_ms"]
         itl = f"{i['p50']:.0f}/{i['p99']:.0f}" if i["p50"] is not None else "-"
         tpot = f"{r['tpot_ms']['p50']:.1f}" if r["tpot_ms"]["p50"] is not None else "-"
-        # None where paged_jax, the tokens' reference, did not run.
+        # None where no paged_jax server, the tokens' reference, ran.
         agree = r["greedy_agree"]
         same = f"{agree:>5}/{r['completed']:<5}" if agree is not None else "-"
         rows.append(

@@ -835,11 +835,8 @@ class LLMEngine:
             self.scheduler.adopt(child)
             self._chain[slot] = self._chain[parent.slot]
         parent.fork = 1
-        ids = np.full(self.cache_config.max_seqs, -1, np.int32)
-        parents = np.full(self.cache_config.max_seqs, -1, np.int32)
-        ids[: len(slots)] = slots
-        parents[: len(slots)] = parent.slot
-        self.state, status = self._fork(self.state, parents, ids)
+        self.state, status = self._fork(self.state, self._per_slot([parent.slot] * len(slots)),
+                                        self._per_slot(slots))
         status.raise_if_failed()
         self._publish(lambda: ev.Forked(parent.request_id, parent.slot, list(slots)))
         req.seqs += children
@@ -901,11 +898,9 @@ class LLMEngine:
                                         self.decode_rows_for(len(plan.decode) - 1))
         if not moves:
             return
-        src = np.full(self.cache_config.max_seqs, -1, np.int32)
-        dst = src.copy()
-        for i, (_, old, new) in enumerate(moves):
-            src[i], dst[i] = old, new
-        self.state, status = self._move(self.state, src, dst)
+        self.state, status = self._move(self.state,
+                                        self._per_slot([old for _, old, _ in moves]),
+                                        self._per_slot([new for _, _, new in moves]))
         status.raise_if_failed()
         # Every moved slot's chain is taken out before any is put back: a swap's two slots
         # trade theirs.
@@ -1046,6 +1041,13 @@ class LLMEngine:
             [int(t) for t in tokens], self.cache_config.block_size, None, [block],
             seq.request_id, self._refs([block]))
 
+    def _per_slot(self, ids: list[int]) -> np.ndarray:
+        """Slot ids padded with -1 to one entry per slot: the shape at which the slot ops
+        (``release``, ``fork``, ``move_slots``) compile once."""
+        out = np.full(self.cache_config.max_seqs, -1, np.int32)
+        out[: len(ids)] = ids
+        return out
+
     def _padded(self, blocks: list[int]) -> np.ndarray:
         """Block ids padded with -1 to a power of two: the loose-block ops compile once per
         size class, not once per count."""
@@ -1073,9 +1075,7 @@ class LLMEngine:
         slots = [s for s in slots if s is not None]
         if not slots:
             return
-        ids = np.full(self.cache_config.max_seqs, -1, np.int32)
-        ids[: len(slots)] = slots
-        self.state, status = self._release(self.state, ids)
+        self.state, status = self._release(self.state, self._per_slot(slots))
         status.raise_if_failed()
         for slot in slots:
             self._chain.pop(slot, None)
@@ -1100,7 +1100,7 @@ class LLMEngine:
         first used (a request finishing, forking, admitted, its row condensed). The loose-block
         ops (``share_blocks``, ``free_blocks``) compile per size class on first use."""
         s = self.cache_config.max_seqs
-        pad = np.full(s, -1, np.int32)
+        pad = self._per_slot([])
         self.state, released = self._release(self.state, pad)
         self.state, forked = self._fork(self.state, pad, pad)
         self.state, admitted = self._admit_cached(
