@@ -30,6 +30,9 @@ def test_sweep_on_a_tiny_model(tiny_hf_dir, tmp_path, systems, rates):
     assert bench_serve.main(argv) == 0
     report = json.loads((out / "serve.json").read_text())
     assert (out / "serve.png").stat().st_size > 10_000
+    spent = report["run_time_s"]  # paged_jax compiled and served untimed within the run
+    assert 0 < spent["warm_up"] and 0 < spent["untimed"]
+    assert spent["warm_up"] + spent["untimed"] < spent["total"]
     results = report["results"]
     runs = {(r["rate"], r["max_num_seqs"], r["system"]) for r in results}
     assert runs == {(rate if rate == "inf" else float(rate), 4, s) for rate in rates
@@ -282,3 +285,39 @@ def test_each_batch_limit_runs_whole_then_is_released(tiny_hf_dir):
     server.release(2)
     assert server.engines == {} and server.warmed == set()
     assert server.engine(2) is not first  # a new engine after release
+
+
+def test_run_time_splits_compiling_from_the_untimed_passes(tiny_hf_dir, monkeypatch):
+    """On a clock the test advances: warm_up's seconds count as compiling, also when an
+    untimed pass builds the engine (as the HTTP server's does), and only the rest of that
+    pass counts as untimed; ``run_seconds`` sums every paged_jax server, the HTTP one's
+    through its ``paged``, and leaves the transformers peers out."""
+    from types import SimpleNamespace
+
+    from paged_jax.model.checkpoint import load_checkpoint
+
+    clock = [0.0]
+    monkeypatch.setattr(bench_serve, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def warm_up(engine, progress):  # 7 s of compiling
+        clock[0] += 7.0
+
+    monkeypatch.setattr(bench_serve, "warm_up", warm_up)
+    args = bench_serve.build_parser().parse_args(["--max-num-batched-tokens", "32"])
+    server = bench_serve.PagedServer(load_checkpoint(tiny_hf_dir), args, 64)
+
+    def untimed_pass():  # builds the engine (7 s of warm_up), then serves for 2 s
+        server.engine(2)
+        clock[0] += 2.0
+
+    requests = [Request((1, 2), 1)]
+    server.warm_once(requests, 2, untimed_pass)
+    server.warm_once(requests, 2, untimed_pass)  # met already: runs nothing
+    assert server.spent == {"warm_up": 7.0, "untimed": 2.0}
+    server.engine(4)  # another limit's engine, outside any pass
+    assert server.spent == {"warm_up": 14.0, "untimed": 2.0}
+    http = SimpleNamespace(paged=SimpleNamespace(spent={"warm_up": 1.5, "untimed": 0.5}))
+    peer = SimpleNamespace()
+    assert bench_serve.run_seconds({"paged_jax": server, "paged_jax_http": http,
+                                    "generate": peer}, 30.0) == {
+        "total": 30.0, "warm_up": 15.5, "untimed": 2.5}

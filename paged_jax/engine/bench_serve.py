@@ -53,7 +53,9 @@ All are greedy, ignore EOS and generate exactly each request's output length
 ``--dtype`` (f32 by default; bf16 rounds the checkpoint's on both sides), on the
 same prompts and arrival times. The results go to ``--out``: ``serve.json`` (every run's
 figures) and ``serve.png`` (median TTFT against output throughput per server, one point per
-batch limit, one panel per rate).
+batch limit, one panel per rate). The run ends by printing its wall time and how much of it
+paged_jax spent compiling (``warm_up``, once per batch limit) and in untimed passes
+(``run_time_s`` in ``serve.json``): with a real model on a small CPU, compiling is most of it.
 
 Goals (issue 15): at ``max_num_seqs >= 16``, output throughput at least 5x
 ``generate_batch``'s and 2x ``generate``'s; median TTFT no worse than transformers'; ITL
@@ -150,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--roles", default="first-two", choices=["first-two", "human-gpt"],
                    help="first-two: vLLM's turns 0 and 1; human-gpt: the first human turn "
                    "answered by gpt (see paged_jax.datasets.conversation_pair)")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--max-output-len", type=int, default=32,
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-output-len", type=int, default=16,
                    help="output tokens per request at most (ShareGPT's reply length, capped)")
     p.add_argument("--max-prompt-len", type=int, default=512,
                    help="drop ShareGPT prompts longer than this (vLLM's rule: 1024)")
@@ -268,6 +270,8 @@ class PagedServer:
                                       args.block_size).num_blocks
         self.engines = {}
         self.warmed = set()  # (batch limit, requests) served untimed already
+        # Seconds spent outside the timed passes: "warm_up" compiling, "untimed" serving.
+        self.spent = collections.Counter()
 
     def engine(self, max_num_seqs: int):
         from paged_jax.engine.llm_engine import LLMEngine
@@ -287,7 +291,9 @@ class PagedServer:
                 seed=a.seed, steps=self.steps)
             # Every prefill shape it can meet, compiled now: which ones a run meets depends
             # on the arrival order, which an HTTP client does not keep from pass to pass.
+            start = time.perf_counter()
             warm_up(self.engines[max_num_seqs], progress=False)
+            self.spent["warm_up"] += time.perf_counter() - start
         return self.engines[max_num_seqs]
 
     def serve(self, requests: list[Request], max_num_seqs: int) -> list[Timing]:
@@ -308,7 +314,10 @@ class PagedServer:
         count as met once it has returned."""
         key = (max_num_seqs, tuple(requests))
         if key not in self.warmed:
-            untimed_pass()
+            start, compiling = time.perf_counter(), self.spent["warm_up"]
+            untimed_pass()  # it may build (and warm up) this limit's engine
+            self.spent["untimed"] += (time.perf_counter() - start
+                                      - (self.spent["warm_up"] - compiling))
             self.warmed.add(key)
 
     def _serve(self, engine, requests: list[Request]) -> list[Timing]:
@@ -606,10 +615,21 @@ def load(model_arg, dtype: str = "float32"):
     return ours, tokenizer, load_transformers(path, dtype)
 
 
+def run_seconds(servers: dict, total: float) -> dict[str, float]:
+    """The run's wall time (``total`` seconds) beside what the paged_jax servers spent outside
+    their timed passes: ``warm_up`` compiling and ``untimed`` serving (``PagedServer.spent``,
+    summed over every in-process and HTTP paged_jax server)."""
+    spent = collections.Counter()
+    for server in servers.values():
+        spent.update(getattr(getattr(server, "paged", server), "spent", {}))
+    return {"total": total, "warm_up": spent["warm_up"], "untimed": spent["untimed"]}
+
+
 def main(argv: list[str] | None = None, loaded=None) -> int:
     """Run the sweep; ``loaded`` is ``load(--model)``'s result when the caller has it."""
     args = build_parser().parse_args(argv)
     check_args(args)
+    began = time.perf_counter()
     import jax
     import torch
     import transformers
@@ -714,10 +734,14 @@ def main(argv: list[str] | None = None, loaded=None) -> int:
         print(f"same tokens: requests whose greedy tokens equal {reference}'s, in every repeat")
     for line in goals(results, bounds):
         print(line)
+    run_time = run_seconds(servers, time.perf_counter() - began)
+    print(f"run time: {run_time['total'] / 60:.1f} min, of which paged_jax spent "
+          f"{run_time['warm_up'] / 60:.1f} compiling (warm_up, each batch limit's engine) and "
+          f"{run_time['untimed'] / 60:.1f} in untimed passes")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve.json").write_text(json.dumps(
         plain({"workload": where, "args": vars(args), "greedy_reference": reference,
-               "results": results,
+               "results": results, "run_time_s": run_time,
                "compute_floor": {"matmul_flops": flops, "flops_per_s": rate_,
                                  "fastest": fastest,
                                  "output_throughput_bound": {str(r): b
